@@ -1,0 +1,89 @@
+"""Errors a user can cause. Each class has its own exit code and a hint that says what to do."""
+
+from __future__ import annotations
+
+
+class DflashError(Exception):
+    """Base class: `message` says what is wrong, `hint` what to do about it."""
+
+    return_code = 1
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def one_line(self) -> str:
+        return f"error: {self.message}" + (f" -- {self.hint}" if self.hint else "")
+
+
+class ManifestError(DflashError):
+    """dist.toml, VERSION or patches/series is malformed or inconsistent."""
+
+    return_code = 3
+
+
+class HashMismatchError(DflashError):
+    """A downloaded or cached artifact does not have the sha256 (or size) kept in the repo."""
+
+    return_code = 4
+
+
+class NetworkError(DflashError):
+    """A download or git fetch could not reach its server."""
+
+    return_code = 5
+
+
+class PatchError(DflashError):
+    """A patch conflicts, is already applied, needs fuzz, or escapes the source tree."""
+
+    return_code = 6
+
+
+class DirtyTreeError(DflashError):
+    """A work tree that should be pristine has local changes."""
+
+    return_code = 7
+
+
+class UnsupportedModeError(DflashError):
+    """The requested build mode cannot build this patch queue (e.g. a csrc patch on the fast path)."""
+
+    return_code = 8
+
+
+class PinMismatchError(DflashError):
+    """The source checked out or downloaded is not the pinned commit."""
+
+    return_code = 9
+
+
+class ToolchainError(DflashError):
+    """A tool the full CUDA build or the image build needs is missing or the wrong version."""
+
+    return_code = 10
+
+
+class ContainerError(DflashError):
+    """The container tool failed to build or run the image."""
+
+    return_code = 11
+
+
+class PublishRefusedError(DflashError):
+    """The publish gate refused: no passing validation report names this exact artifact."""
+
+    return_code = 12
+
+
+class ConformanceError(DflashError):
+    """The conformance environments could not be created or a case could not run at all."""
+
+    return_code = 13
+
+
+class UpstreamError(DflashError):
+    """An upstream ref or release could not be resolved, or a rebase stopped on a conflict."""
+
+    return_code = 14
