@@ -1,7 +1,21 @@
-"""Shared fixtures. Downloads are real (PyPI) and cached in $VLLM_DFLASH_CACHE (default ~/.cache/vllm-dflash)."""
+"""Shared fixtures. Downloads are real (PyPI) and cached in $VLLM_DFLASH_CACHE (default ~/.cache/vllm-dflash).
+
+The pipeline fixtures (engineer H1) prepare the real vLLM 0.20.1 sdist tree once per session; tests that change a
+tree work on a cheap `git clone --shared` of it. Patches used by the tests are written with real git
+(`git format-patch`) against that tree.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -19,3 +33,248 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def manifest() -> Manifest:
     return load_manifest(REPO)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pipeline fixtures: real source trees, real patches, a real local package index, the CLI in a subprocess
+
+
+def git(cwd: Path, *args: str, env: Mapping[str, str] | None = None) -> str:
+    """Run git in a test (setup only; the code under test runs its own)."""
+    full_env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "test",
+        "GIT_AUTHOR_EMAIL": "test@localhost",
+        "GIT_COMMITTER_NAME": "test",
+        "GIT_COMMITTER_EMAIL": "test@localhost",
+        **(env or {}),
+    }
+    out = subprocess.run(["git", *args], cwd=cwd, env=full_env, check=True, capture_output=True, text=True)
+    return out.stdout
+
+
+@pytest.fixture(scope="session")
+def real_cache() -> Path:
+    """The download cache the tests share with users of this machine (downloads happen once)."""
+    from vllm_dflash.fetch import cache_dir
+
+    return cache_dir()
+
+
+@pytest.fixture(scope="session")
+def sdist_tree(manifest: Manifest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The real vLLM 0.20.1 source tree from the hash-pinned sdist. Shared: tests must not change it."""
+    from vllm_dflash.build.source import prepare_source
+
+    return prepare_source(manifest, "sdist", tmp_path_factory.mktemp("sdist") / "vllm")
+
+
+def clone_tree(tree, dest: Path):  # type: ignore[no-untyped-def]
+    """A cheap private copy of a prepared SourceTree (objects shared, tags including dflash-base copied)."""
+    from vllm_dflash.build.source import SourceTree
+
+    git(dest.parent, "clone", "-q", "--shared", str(tree.path), str(dest))
+    git(dest, "checkout", "-q", "--detach", tree.base)
+    return SourceTree(path=dest, kind=tree.kind, version=tree.version, commit=tree.commit, base=tree.base)
+
+
+@pytest.fixture
+def work_tree(sdist_tree, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A private, mutable clone of the 0.20.1 sdist tree."""
+    return clone_tree(sdist_tree, tmp_path / "work")
+
+
+DEP3 = {
+    "Origin": "vllm-dflash tests",
+    "Forwarded": "not-needed",
+    "Last-Update": "2026-11-29",
+    "Drop-When": "never (test patch)",
+}
+
+
+class PatchFactory:
+    """Writes real `git format-patch` files against the 0.20.1 tree (one scratch clone per session)."""
+
+    def __init__(self, tree, scratch: Path, out: Path) -> None:  # type: ignore[no-untyped-def]
+        self.base = tree.base
+        self.scratch = clone_tree(tree, scratch).path
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+
+    def _reset(self, rev: str) -> None:
+        git(self.scratch, "checkout", "-q", "-f", "--detach", rev)
+        git(self.scratch, "clean", "-qfdx")
+
+    def _edit(self, edits: Mapping[str, Callable[[str], str] | str | None]) -> None:
+        for path, edit in edits.items():
+            f = self.scratch / path
+            if edit is None:
+                f.unlink()
+                continue
+            f.parent.mkdir(parents=True, exist_ok=True)
+            old = f.read_text() if f.exists() else ""
+            new = edit(old) if callable(edit) else edit
+            f.write_text(new)
+        git(self.scratch, "add", "-A", "-f", ".")
+
+    def make(
+        self,
+        name: str,
+        edits: Mapping[str, Callable[[str], str] | str | None],
+        subject: str = "test change",
+        *,
+        on_top_of: Mapping[str, Callable[[str], str] | str | None] | None = None,
+        already_upstream: bool = False,
+        headers: Mapping[str, str] | None = None,
+    ) -> Path:
+        """A patch making `edits` (path -> new text, a function of the old text, or None to delete).
+
+        `on_top_of`: edits committed first (so the patch only applies after a patch making them).
+        `already_upstream`: the patch's result is what the base already has (it reverse-applies on the base).
+        """
+        self._reset(self.base)
+        if on_top_of:
+            self._edit(on_top_of)
+            git(self.scratch, "commit", "-q", "-m", "prerequisite")
+        self._edit(edits)
+        body = "\n".join(f"{k}: {v}" for k, v in {**DEP3, **(headers or {})}.items())
+        git(self.scratch, "commit", "-q", "-m", f"{subject}\n\n{body}\n")
+        if already_upstream:
+            git(self.scratch, "revert", "--no-edit", "HEAD")
+            git(self.scratch, "commit", "-q", "--amend", "-m", f"{subject}\n\n{body}\n")
+        text = git(self.scratch, "format-patch", "-1", "--stdout", "HEAD", env={"GIT_AUTHOR_DATE": "2026-11-29T00:00"})
+        path = self.out / name
+        path.write_text(text)
+        return path
+
+
+@pytest.fixture(scope="session")
+def patch_factory(sdist_tree, tmp_path_factory: pytest.TempPathFactory) -> PatchFactory:  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("patchfactory")
+    return PatchFactory(sdist_tree, root / "scratch", root / "out")
+
+
+def replace_line(old: str, new: str) -> Callable[[str], str]:
+    def edit(text: str) -> str:
+        assert old in text, f"{old!r} not in file"
+        return text.replace(old, new, 1)
+
+    return edit
+
+
+@dataclass
+class Checkout:
+    """A throwaway vllm-dflash checkout (dist.toml, VERSION, patches/) for CLI tests, with its own cache."""
+
+    root: Path
+    cache: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def dist(self) -> Path:
+        return self.root / "dist"
+
+    def set_series(self, *patches: Path) -> None:
+        pdir = self.root / "patches"
+        pdir.mkdir(exist_ok=True)
+        for p in patches:
+            shutil.copy(p, pdir / p.name)
+        (pdir / "series").write_text("# test queue\n" + "".join(f"{p.name}\n" for p in patches))
+
+    def edit_manifest(self, old: str, new: str) -> None:
+        path = self.root / "dist.toml"
+        text = path.read_text()
+        assert old in text
+        path.write_text(text.replace(old, new, 1))
+
+    def cli(self, *args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        full_env = {**os.environ, "VLLM_DFLASH_CACHE": str(self.cache), **self.env, **(env or {})}
+        cmd = [sys.executable, "-m", "vllm_dflash", "--root", str(self.root), *args]
+        return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=900)
+
+    def dist_files(self) -> list[str]:
+        return sorted(p.name for p in self.dist.rglob("*")) if self.dist.exists() else []
+
+
+def make_checkout(tmp: Path, cache: Path) -> Checkout:
+    root = tmp / "checkout"
+    root.mkdir(parents=True)
+    for name in ("dist.toml", "VERSION"):
+        shutil.copy(REPO / name, root / name)
+    (root / "patches").mkdir()
+    (root / "patches" / "series").write_text("")
+    return Checkout(root=root, cache=cache)
+
+
+@pytest.fixture
+def checkout(tmp_path: Path, real_cache: Path, manifest: Manifest, sdist_tree) -> Checkout:  # type: ignore[no-untyped-def]
+    """A checkout whose private cache shares the real downloads and starts with a clone of the session's tree."""
+    from vllm_dflash.build.source import default_dest
+    from vllm_dflash.fetch import fetch
+
+    fetch(manifest.sdist)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "downloads").symlink_to(real_cache / "downloads", target_is_directory=True)
+    dest = cache / "trees" / default_dest(manifest, "sdist").name
+    dest.parent.mkdir(parents=True)
+    clone_tree(sdist_tree, dest)
+    return make_checkout(tmp_path, cache)
+
+
+# A real PEP 691 JSON index on 127.0.0.1: project -> filename -> (content, declared size or None, bytes to send
+# before hanging up or None for all).
+IndexFiles = dict[str, dict[str, tuple[bytes, int | None, int | None]]]
+
+
+@pytest.fixture
+def local_index() -> Iterator[tuple[str, IndexFiles]]:
+    files: IndexFiles = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            parts = [p for p in self.path.split("/") if p]
+            if len(parts) == 2 and parts[0] == "simple" and parts[1] in files:
+                project = parts[1]
+                doc = {
+                    "meta": {"api-version": "1.1"},
+                    "name": project,
+                    "files": [
+                        {
+                            "filename": fn,
+                            "url": f"/files/{project}/{fn}",
+                            "hashes": {},
+                            **({"size": size} if size else {}),
+                        }
+                        for fn, (_, size, _) in files[project].items()
+                    ],
+                }
+                body = json.dumps(doc).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/vnd.pypi.simple.v1+json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            if len(parts) == 3 and parts[0] == "files" and parts[2] in files.get(parts[1], {}):
+                data, size, cut = files[parts[1]][parts[2]]
+                self.send_response(200)
+                self.send_header("Content-Length", str(size or len(data)))
+                self.end_headers()
+                self.wfile.write(data if cut is None else data[:cut])
+                self.wfile.flush()
+                self.close_connection = True
+                return
+            self.send_error(404)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/simple", files
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -87,3 +87,12 @@ class UpstreamError(DflashError):
     """An upstream ref or release could not be resolved, or a rebase stopped on a conflict."""
 
     return_code = 14
+
+
+class MeasurementError(DflashError):
+    """`validate` could not measure acceptance: the server did not come up, died, or drafted nothing.
+
+    Exit 2 is the validator's documented "could not measure" code (0 pass, 1 gate failed).
+    """
+
+    return_code = 2

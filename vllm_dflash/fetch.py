@@ -100,6 +100,12 @@ def _download(url: str, dest: Path, expected_size: int | None, label: str) -> No
                     break
                 out.write(chunk)
                 progress.advance(task, len(chunk))
+            # urllib returns a short body without error when the server hangs up early; say so, not "hash mismatch".
+            announced = int(resp.headers.get("Content-Length") or 0)
+            if announced and out.tell() != announced:
+                raise HashMismatchError(
+                    f"{label}: truncated download ({out.tell()} of {announced} bytes)", "run the command again"
+                )
 
 
 def verify(path: Path, artifact: Artifact, expected_size: int | None = None) -> None:

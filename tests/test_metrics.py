@@ -1,0 +1,85 @@
+"""Counter parsing and the acceptance arithmetic (the live-server check is in test_validate.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_dflash.errors import MeasurementError
+from vllm_dflash.validate.metrics import acceptance, parse_spec_counters
+
+# Two engines (data parallel) as vLLM writes them: `_total` samples plus `_created` timestamps.
+TEXT = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 11.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e+09
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
+vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="m"} 33.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 20.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="m"} 17.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="0"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 7.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="1"} 5.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 4.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="2"} 3.0
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="m",position="2"} 1.7e+09
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="m"} 99.0
+"""
+
+
+def test_parse_sums_engines_and_ignores_created() -> None:
+    c = parse_spec_counters(TEXT)
+    assert c.present
+    assert (c.drafts, c.draft_tokens, c.accepted, c.generation_tokens) == (21.0, 63.0, 37.0, 99.0)
+    assert dict(c.per_position) == {0: 18.0, 1: 12.0, 2: 7.0}
+
+
+def test_acceptance_of_a_delta() -> None:
+    before = parse_spec_counters(TEXT)
+    after = parse_spec_counters(
+        TEXT.replace(
+            'num_drafts_total{engine="0",model_name="m"} 10.0', 'num_drafts_total{engine="0",model_name="m"} 30.0'
+        ).replace(
+            'accepted_tokens_total{engine="0",model_name="m"} 20.0',
+            'accepted_tokens_total{engine="0",model_name="m"} 50.0',
+        )
+    )
+    delta = after.minus(before)
+    assert delta.drafts == 20.0 and delta.accepted == 30.0
+    assert acceptance(delta).mean_acceptance_length == pytest.approx(2.5)
+
+
+def test_acceptance_numbers() -> None:
+    acc = acceptance(parse_spec_counters(TEXT))
+    assert acc.mean_acceptance_length == pytest.approx(1 + 37 / 21)
+    assert acc.draft_acceptance_rate == pytest.approx(37 / 63)
+    assert acc.per_position_rate == pytest.approx((18 / 21, 12 / 21, 7 / 21))
+
+
+def test_no_spec_families_cannot_be_measured() -> None:
+    text = '# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{engine="0"} 5.0\n'
+    c = parse_spec_counters(text)
+    assert not c.present
+    with pytest.raises(MeasurementError, match="without speculative decoding"):
+        acceptance(c.minus(c))
+
+
+def test_zero_drafts_cannot_be_measured() -> None:
+    c = parse_spec_counters(TEXT)
+    with pytest.raises(MeasurementError, match="0 drafts"):
+        acceptance(c.minus(c))
+
+
+def test_garbage_is_rejected() -> None:
+    with pytest.raises(MeasurementError, match="not Prometheus text"):
+        parse_spec_counters("<html>not metrics</html>{{{")

