@@ -7,6 +7,8 @@ cannot finish it.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import platform
@@ -265,24 +267,11 @@ print(json.dumps(out))
 
 def _probe_here() -> dict[str, str | None]:
     """What _PROBE prints, for this interpreter, in-process (no ~0.1 s interpreter start)."""
-    import importlib.metadata as md
-    import importlib.util as iu
-
-    out: dict[str, str | None] = {}
-    for name in ("torch", "setuptools", "setuptools-scm", "ninja", "cmake", "wheel"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = None
-    spec = iu.find_spec("torch")
-    cuda = None
-    if spec and spec.submodule_search_locations:
-        vf = Path(next(iter(spec.submodule_search_locations))) / "version.py"
-        if vf.is_file():
-            m = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", vf.read_text(), re.M)
-            cuda = m.group(1) if m else None
-    out["torch_cuda"] = cuda
-    return out
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        exec(_PROBE, {})  # the same probe text that runs in another interpreter; it only reads metadata
+    data: dict[str, str | None] = json.loads(buf.getvalue())
+    return data
 
 
 def _probe_python(python: str) -> dict[str, str | None]:
