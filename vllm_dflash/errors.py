@@ -96,3 +96,9 @@ class MeasurementError(DflashError):
     """
 
     return_code = 2
+
+
+class StorageError(DflashError):
+    """A file or directory could not be read or written (full disk, read-only, permissions, not a directory)."""
+
+    return_code = 15

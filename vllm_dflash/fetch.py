@@ -11,6 +11,7 @@ from pathlib import Path
 
 from vllm_dflash.errors import HashMismatchError, NetworkError
 from vllm_dflash.manifest import Artifact
+from vllm_dflash.paths import confine
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 _CHUNK = 1 << 20
@@ -132,7 +133,9 @@ def fetch(artifact: Artifact, dest_dir: Path | None = None) -> Path:
     """
     dest_dir = dest_dir or cache_dir() / "downloads"
     dest_dir.mkdir(parents=True, exist_ok=True)
-    final = dest_dir / artifact.filename
+    # The file name comes from dist.toml or an index answer: it must stay inside the downloads directory, or a
+    # cached "copy" failing its hash would make us delete a file elsewhere.
+    final = confine(dest_dir, artifact.filename, "artifact file name")
     if final.is_file():
         try:
             verify(final, artifact)

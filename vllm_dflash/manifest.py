@@ -111,7 +111,9 @@ def _str(data: Mapping[str, Any], key: str, where: str) -> str:
 
 
 def parse_artifact(data: Mapping[str, Any], where: str) -> Artifact:
-    filename = _str(data, "filename", where)
+    from vllm_dflash.paths import bare_name
+
+    filename = bare_name(_str(data, "filename", where), f"{where}.filename")
     sha = _str(data, "sha256", where).lower()
     if not _SHA256.match(sha):
         raise ManifestError(f"{where}: sha256 '{sha}' is not 64 hex digits", f"fix [{where}] in {MANIFEST_NAME}")

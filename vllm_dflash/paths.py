@@ -1,0 +1,183 @@
+"""Names that come from outside the code (manifest, index answers, series lines, CLI options) and the files we write.
+
+Every such name is confined here, in one place, to the directory it belongs in: no separators, no `..`, no absolute
+paths, no symlink escape. Writes go through a temporary sibling and an atomic rename, so a killed process never
+leaves a half-written file under a final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from vllm_dflash.errors import DflashError, ManifestError, StorageError
+
+# A bare file name: letters, digits and the punctuation wheel, sdist and patch names use. Nothing else.
+_BARE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+~=-]*$")
+
+
+def bare_name(name: str, what: str, error: type[DflashError] = ManifestError) -> str:
+    """`name` when it is a plain file name (no directory part, no `..`, no control characters); else `error`."""
+    if not isinstance(name, str) or not _BARE_NAME.match(name) or name in (".", "..") or ".." in name.split("."):
+        shown = repr(name) if isinstance(name, str) else type(name).__name__
+        raise error(
+            f"{what} {shown} is not a plain file name",
+            "use a bare file name (letters, digits, '.', '_', '-', '+'), without directories or '..'",
+        )
+    return name
+
+
+def confine(base: Path, name: str, what: str, error: type[DflashError] = ManifestError) -> Path:
+    """`base / name` for a bare `name`, refusing anything that would resolve outside `base` (symlinks included)."""
+    path = base / bare_name(name, what, error)
+    root = base.resolve()
+    resolved = path.resolve()
+    if resolved.parent != root:
+        raise error(f"{what} '{name}' resolves to {resolved}, outside {root}", f"remove the link at {path}")
+    return path
+
+
+def confine_relative(base: Path, rel: str, what: str, error: type[DflashError] = ManifestError) -> Path:
+    """`base / rel` for a relative path with no `..` part whose resolved location stays inside `base`."""
+    parts = Path(rel).parts
+    if not rel or Path(rel).is_absolute() or ".." in parts or any(p.startswith("~") for p in parts[:1]):
+        raise error(f"{what} '{rel}' is not a relative path inside {base}", "use a path relative to the checkout")
+    path = base / rel
+    root = base.resolve()
+    resolved = path.resolve()
+    if resolved != root and root not in resolved.parents:
+        raise error(f"{what} '{rel}' resolves to {resolved}, outside {root}", f"remove the link under {base}")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing
+
+
+def storage_error(exc: OSError, path: Path | str, doing: str) -> StorageError:
+    """One line for an OSError at the I/O boundary, naming the path and what to do about it."""
+    import errno
+
+    hints = {
+        errno.ENOSPC: "free disk space there (or move the cache with VLLM_DFLASH_CACHE) and run again",
+        errno.EDQUOT: "free disk space there (or move the cache with VLLM_DFLASH_CACHE) and run again",
+        errno.EROFS: "the file system is read-only; choose a writable location",
+        errno.EACCES: "you lack permission there; choose a location you can write or fix its permissions",
+        errno.EPERM: "you lack permission there; choose a location you can write or fix its permissions",
+        errno.ENOTDIR: "a path component is a file, not a directory; choose another location",
+        errno.EISDIR: "a directory is in the way of a file; choose another location",
+        errno.EEXIST: "something is already in the way there; remove it or choose another location",
+        errno.ENOENT: "a directory on the way does not exist; create it or choose another location",
+    }
+    reason = exc.strerror or str(exc)
+    return StorageError(f"cannot {doing} {path}: {reason}", hints.get(exc.errno or 0, "check the path and run again"))
+
+
+def ensure_dir(path: Path, what: str = "directory") -> Path:
+    """`mkdir -p` with a one-line error (read-only, not a directory, no space...)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise StorageError(f"{what} {path} is a file, not a directory", "choose a directory path") from None
+    except OSError as exc:
+        raise storage_error(exc, path, f"create {what}") from None
+    return path
+
+
+def temp_sibling(path: Path, suffix: str = ".tmp") -> Path:
+    """A hidden name next to `path` that carries our pid, so a later run can tell a dead writer's leftovers."""
+    return path.with_name(f".{path.name}.{os.getpid()}{suffix}")
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary sibling and rename; nothing half-written keeps the name."""
+    ensure_dir(path.parent)
+    tmp = temp_sibling(path)
+    try:
+        with tmp.open("wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise storage_error(exc, path, "write") from None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_bytes_atomic(path, text.encode())
+
+
+def copy_atomic(src: Path, dest: Path) -> None:
+    """Copy a file to `dest` through a temporary sibling (same file system) and rename."""
+    ensure_dir(dest.parent)
+    tmp = temp_sibling(dest)
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dest)
+    except OSError as exc:
+        raise storage_error(exc, dest, "write") from None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def temp_dir_beside(path: Path, prefix: str | None = None) -> Iterator[Path]:
+    """A private temporary directory next to `path` (same file system, so its contents can be renamed in)."""
+    ensure_dir(path.parent)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=prefix or f".{path.name}.{os.getpid()}.", dir=path.parent))
+    except OSError as exc:
+        raise storage_error(exc, path.parent, "create a temporary directory in") from None
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Leftovers of dead processes
+
+_PID_IN_NAME = re.compile(r"^\..+\.(?P<pid>\d+)(?:\.(?:tmp|part|unpack)|\.[A-Za-z0-9_]+)?$")
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(directory: Path) -> list[Path]:
+    """Remove hidden temporaries (`.<name>.<pid>...`) in `directory` whose writing process is gone.
+
+    Our temporaries carry the writer's pid; a live writer's files are left alone, a dead one's can only be the
+    remains of a kill, and nothing ever trusts them. Returns what was removed.
+    """
+    removed: list[Path] = []
+    if not directory.is_dir():
+        return removed
+    for entry in directory.iterdir():
+        m = _PID_IN_NAME.match(entry.name)
+        if not m or pid_alive(int(m.group("pid"))):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+        removed.append(entry)
+    return removed
