@@ -64,14 +64,14 @@ def real_cache() -> Path:
 @pytest.fixture(scope="session")
 def sdist_tree(manifest: Manifest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """The real vLLM 0.20.1 source tree from the hash-pinned sdist. Shared: tests must not change it."""
-    from vllm_dflash.build.source import prepare_source
+    from vllm_dflash.pipeline.source import prepare_source
 
     return prepare_source(manifest, "sdist", tmp_path_factory.mktemp("sdist") / "vllm")
 
 
 def clone_tree(tree, dest: Path):  # type: ignore[no-untyped-def]
     """A cheap private copy of a prepared SourceTree (objects shared, tags including dflash-base copied)."""
-    from vllm_dflash.build.source import SourceTree
+    from vllm_dflash.pipeline.source import SourceTree
 
     git(dest.parent, "clone", "-q", "--shared", str(tree.path), str(dest))
     git(dest, "checkout", "-q", "--detach", tree.base)
@@ -209,7 +209,7 @@ def make_checkout(tmp: Path, cache: Path) -> Checkout:
 @pytest.fixture
 def checkout(tmp_path: Path, real_cache: Path, manifest: Manifest, sdist_tree) -> Checkout:  # type: ignore[no-untyped-def]
     """A checkout whose private cache shares the real downloads and starts with a clone of the session's tree."""
-    from vllm_dflash.build.source import default_dest
+    from vllm_dflash.pipeline.source import default_dest
     from vllm_dflash.fetch import fetch
 
     fetch(manifest.sdist)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dflash.build import fullbuild as fb
-from vllm_dflash.build.patches import Patch, PatchedTree, load_patch, series_or_empty
+from vllm_dflash.pipeline import fullbuild as fb
+from vllm_dflash.pipeline.patches import Patch, PatchedTree, load_patch, series_or_empty
 from vllm_dflash.errors import ToolchainError, UnsupportedModeError
 from vllm_dflash.fetch import cache_dir, fetch
 from vllm_dflash.manifest import Manifest
@@ -290,8 +290,8 @@ def test_wheel_full_refuses_with_missing_pieces(manifest: Manifest, tmp_path: Pa
 @contextlib.contextmanager
 def _patched_tree(manifest: Manifest) -> Iterator[PatchedTree]:
     """Our queue applied to the cached source tree, held under the pipeline's tree lock while it is read."""
-    from vllm_dflash.build.patches import apply_series
-    from vllm_dflash.build.source import prepare_source, trees_lock
+    from vllm_dflash.pipeline.patches import apply_series
+    from vllm_dflash.pipeline.source import prepare_source, trees_lock
 
     with trees_lock():
         yield apply_series(

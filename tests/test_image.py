@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dflash.build import image as img
+from vllm_dflash.pipeline import image as img
 from vllm_dflash.errors import ContainerError
 from vllm_dflash.fetch import cache_dir
 from vllm_dflash.manifest import Manifest, load_manifest
@@ -261,7 +261,7 @@ def podman_store() -> Iterator[tuple[img.ImageOptions, str]]:
 @pytest.fixture(scope="module")
 def dflash_wheel(tmp_path_factory: pytest.TempPathFactory, manifest: Manifest) -> Path:
     """Our real wheel, built by the pipeline (fast path) into a temp dir."""
-    from vllm_dflash.build.pipeline import run_build
+    from vllm_dflash.pipeline.pipeline import run_build
 
     out = tmp_path_factory.mktemp("wheel")
     return run_build(manifest, out_dir=out).path
@@ -300,7 +300,7 @@ def test_fast_image_builds_and_checks_inside(
     # Inside the image: the wheel's files, byte for byte, for our wheel; upstream's wheel must NOT match
     # (negative control: at least vllm/_version.py differs, since it carries our version).
     ours = _wheel_hashes(dflash_wheel)
-    from vllm_dflash.build.wheel import resolve_base_wheel
+    from vllm_dflash.pipeline.wheel import resolve_base_wheel
 
     upstream_wheel = resolve_base_wheel(manifest, None)
     assert upstream_wheel is not None

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import Checkout, PatchFactory, git, replace_line
 
-from vllm_dflash.build.patches import (
+from vllm_dflash.pipeline.patches import (
     PatchState,
     apply_series,
     check_patch,
@@ -15,7 +15,7 @@ from vllm_dflash.build.patches import (
     load_patch,
     read_series,
 )
-from vllm_dflash.build.source import SourceTree
+from vllm_dflash.pipeline.source import SourceTree
 from vllm_dflash.errors import ManifestError, PatchError
 
 DFLASH = "vllm/v1/spec_decode/dflash.py"

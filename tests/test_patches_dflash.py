@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dflash.build.patches import Patch, PatchState, check_patch, check_series, read_series
+from vllm_dflash.pipeline.patches import Patch, PatchState, check_patch, check_series, read_series
 from vllm_dflash.manifest import Manifest, parse_artifact
 
 REQUIRED_DEP3 = ("Description", "Origin", "Forwarded", "Applied-Upstream", "Bug", "Last-Update", "Drop-When")
@@ -31,7 +31,7 @@ def queue(manifest: Manifest) -> dict[str, Patch]:
 @pytest.fixture(scope="module")
 def tree_0220(manifest: Manifest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real vLLM 0.22.0 sdist tree (hash-pinned in dist.toml [releases]), as a git repo."""
-    from vllm_dflash.build.source import release_tree
+    from vllm_dflash.pipeline.source import release_tree
 
     rel = manifest.raw["releases"]["0.22.0"]
     sdist = parse_artifact(rel["sdist"], "releases.0.22.0.sdist")

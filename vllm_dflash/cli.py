@@ -12,13 +12,13 @@ from vllm_dflash.errors import DflashError
 
 # Modules that define `register(subparsers)`; each sub-command sets `func(args) -> int` via set_defaults.
 COMMAND_MODULES = (
-    "vllm_dflash.build.pipeline",  # build
-    "vllm_dflash.build.source",  # source
-    "vllm_dflash.build.patches",  # patches status
-    "vllm_dflash.build.wheel",  # wheel
-    "vllm_dflash.build.image",  # image
+    "vllm_dflash.pipeline.pipeline",  # build
+    "vllm_dflash.pipeline.source",  # source
+    "vllm_dflash.pipeline.patches",  # patches status
+    "vllm_dflash.pipeline.wheel",  # wheel
+    "vllm_dflash.pipeline.image",  # image
     "vllm_dflash.validate.smoke",  # validate
-    "vllm_dflash.validate.conformance.cli",  # conformance
+    "vllm_dflash.conformance.cli",  # conformance
     "vllm_dflash.publish",  # publish
     "vllm_dflash.upstream",  # upstream, rebase
 )

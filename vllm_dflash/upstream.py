@@ -333,7 +333,7 @@ def resolve_release(manifest: Manifest, version: str) -> Release:
 
 
 def release_target(manifest: Manifest, version: str, ref: str | None = None) -> Target:
-    from vllm_dflash.build.source import release_tree
+    from vllm_dflash.pipeline.source import release_tree
     from vllm_dflash.fetch import cache_dir
 
     rel = resolve_release(manifest, version)
@@ -586,7 +586,7 @@ def failing_hunks(target: Target, text: str) -> tuple[str, ...]:
 
 def analyse(manifest: Manifest, target: Target, patches: Sequence[Any] | None = None) -> UpstreamReport:
     """The `upstream` stage: a verdict per patch of the queue (in series order) on `target`. Changes no tree."""
-    from vllm_dflash.build.patches import PatchState, check_series, series_or_empty
+    from vllm_dflash.pipeline.patches import PatchState, check_series, series_or_empty
 
     queue = tuple(series_or_empty(manifest.patches_dir) if patches is None else patches)
     rules = load_watch_rules(manifest.patches_dir)
@@ -799,7 +799,7 @@ def _git(work: Path, *args: str, check: bool = True, env: Mapping[str, str] | No
 
 
 def _am_env() -> dict[str, str]:
-    from vllm_dflash.build.source import BOT_IDENTITY, FIXED_DATE
+    from vllm_dflash.pipeline.source import BOT_IDENTITY, FIXED_DATE
 
     # Committer identity and date fixed (authors come from the patches): the same queue gives the same commits.
     return {k: v for k, v in BOT_IDENTITY.items() if "COMMITTER" in k} | {"GIT_COMMITTER_DATE": FIXED_DATE}
@@ -893,8 +893,8 @@ def rebase(
     pin's tree); a clean merge refreshes the patch file. A merge conflict stops the rebase and leaves a work tree
     (outside the repo) to resolve it in; `resume=True` then picks up from that work tree.
     """
-    from vllm_dflash.build.patches import apply_series, read_series, series_or_empty
-    from vllm_dflash.build.source import SourceTree
+    from vllm_dflash.pipeline.patches import apply_series, read_series, series_or_empty
+    from vllm_dflash.pipeline.source import SourceTree
     from vllm_dflash.fetch import project_files
 
     if m := _RELEASE.match(ref):

@@ -1,7 +1,7 @@
 """The vLLM side of the conformance test: run DFlash in vLLM on a tiny case and record every drafter proposal.
 
 Runs INSIDE the vLLM environment (see envs.py), as
-    python -m vllm_dflash.validate.conformance.vllm_side --case DIR --out FILE.jsonl [--case DIR2 --out F2.jsonl ...]
+    python -m vllm_dflash.conformance.vllm_side --case DIR --out FILE.jsonl [--case DIR2 --out F2.jsonl ...]
 with our test plugin (tests/conformance_plugin) importable. Standard library, torch and vLLM only: this module must
 import without vllm_dflash's own dependencies.
 

@@ -37,8 +37,8 @@ from vllm_dflash import proc
 from vllm_dflash.errors import ConformanceError, ManifestError
 from vllm_dflash.fetch import cache_dir, fetch, sha256_file
 from vllm_dflash.manifest import Manifest
-from vllm_dflash.validate.conformance import cases as C
-from vllm_dflash.validate.conformance import oracle as O
+from vllm_dflash.conformance import cases as C
+from vllm_dflash.conformance import oracle as O
 
 BUILDS = ("patched", "stock")
 DEVICES = ("cpu", "cuda")
@@ -152,7 +152,7 @@ def _build_cases(manifest: Manifest, ref_python: Path, base: Path, missing: list
         proc.call(
             ref_python,
             "-m",
-            "vllm_dflash.validate.conformance.tiny",
+            "vllm_dflash.conformance.tiny",
             "--out",
             base,
             *missing,
@@ -207,9 +207,9 @@ def patched_wheel(manifest: Manifest, device: str) -> Path:
 
 
 def _build_patched_wheel(manifest: Manifest, base: Path, out: Path) -> Path:
-    from vllm_dflash.build.patches import apply_series, series_or_empty
-    from vllm_dflash.build.source import prepare_source
-    from vllm_dflash.build.wheel import build_fast_wheel
+    from vllm_dflash.pipeline.patches import apply_series, series_or_empty
+    from vllm_dflash.pipeline.source import prepare_source
+    from vllm_dflash.pipeline.wheel import build_fast_wheel
 
     patches = series_or_empty(manifest.patches_dir)
     if not patches:
@@ -241,12 +241,12 @@ class Runner:
 def vllm_runner(manifest: Manifest, wheel: Path, device: str) -> Runner:
     extra = repo_pythonpath(manifest)
     if device == "cpu":
-        from vllm_dflash.validate.conformance.envs import ensure_vllm_env
+        from vllm_dflash.conformance.envs import ensure_vllm_env
 
         env = ensure_vllm_env(wheel, stock_wheel(manifest, "cpu"), manifest.root)
         return Runner(env.python, env.environ(extra_pythonpath=(Path(extra),)))
     # GPU node: a venv per wheel, with the wheel's own CUDA dependencies (torch etc.) resolved by pip.
-    from vllm_dflash.validate.conformance.envs import plugin_source
+    from vllm_dflash.conformance.envs import plugin_source
     from vllm_dflash.venvs import VenvSpec, ensure_venv, venv_python
 
     spec = VenvSpec(
@@ -272,7 +272,7 @@ def run_vllm_side(runner: Runner, jobs: Sequence[tuple[str, Path, Path]], device
         result = proc.call(
             runner.python,
             "-m",
-            "vllm_dflash.validate.conformance.vllm_side",
+            "vllm_dflash.conformance.vllm_side",
             *args,
             "--device",
             device,
@@ -309,7 +309,7 @@ def run_oracle(ref_python: Path, manifest: Manifest, jobs: Sequence[tuple[Path, 
     proc.call(
         ref_python,
         "-m",
-        "vllm_dflash.validate.conformance.oracle",
+        "vllm_dflash.conformance.oracle",
         *args,
         "--tol",
         str(tol.max_abs_logit),

@@ -25,7 +25,7 @@ from typing import Any
 
 from vllm_dflash import __version__ as TOOL_VERSION
 from vllm_dflash import proc
-from vllm_dflash.build.patches import UNSHIPPED_PREFIXES, PatchedTree
+from vllm_dflash.pipeline.patches import UNSHIPPED_PREFIXES, PatchedTree
 from vllm_dflash.errors import HashMismatchError, ManifestError, PinMismatchError, UnsupportedModeError
 from vllm_dflash.fetch import fetch, sha256_file
 from vllm_dflash.manifest import Artifact, Manifest, load_manifest
@@ -518,7 +518,7 @@ def build_wheel(
     out_dir: Path | None = None,
 ) -> WheelResult:
     """Choose the mode (fast when every patch is Python-only and a base wheel exists) and build."""
-    from vllm_dflash.build.fullbuild import build_full_wheel, choose_mode
+    from vllm_dflash.pipeline.fullbuild import build_full_wheel, choose_mode
 
     patches = [p for p, _ in patched.commits]
     out_dir = out_dir or manifest.dist_dir
@@ -572,11 +572,11 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_dflash.build.patches import apply_series, series_or_empty
-    from vllm_dflash.build.source import find_prepared, tree_at, trees_lock
+    from vllm_dflash.pipeline.patches import apply_series, series_or_empty
+    from vllm_dflash.pipeline.source import find_prepared, tree_at, trees_lock
 
     manifest = load_manifest(Path(args.root) if args.root else None)
-    from vllm_dflash.build.fullbuild import preflight
+    from vllm_dflash.pipeline.fullbuild import preflight
 
     preflight(args.mode)  # --mode full: refuse before any tree work when the CUDA toolchain is missing
     patches = series_or_empty(manifest.patches_dir)

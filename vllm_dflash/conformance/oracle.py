@@ -1,7 +1,7 @@
 """No-cache reference oracle for the DFlash drafter, built on the authors' `dflash` 0.1.0 package, and its negatives.
 
 Runs inside the dflash reference environment (see `reference_spec`):
-`python -m vllm_dflash.validate.conformance.oracle --case DIR --trace TRACE.jsonl --out METRICS.json`
+`python -m vllm_dflash.conformance.oracle --case DIR --trace TRACE.jsonl --out METRICS.json`
 reads the vLLM side's per-step trace and recomputes every drafter proposal from scratch:
 
 1. target forward (HF `Qwen3ForCausalLM`, fp32) over the step's context `token_ids[:context_len]`;
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.validate.conformance import cases as C
+from vllm_dflash.conformance import cases as C
 
 MAIN = "oracle"
 VARIANTS: tuple[str, ...] = (

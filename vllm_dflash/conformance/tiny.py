@@ -1,7 +1,7 @@
 """Tiny random target + DFlash drafter models for the conformance cases, saved the way vLLM 0.20.1 loads them.
 
 Runs inside the dflash reference environment (torch 2.13.0, transformers 5.15.0, dflash 0.1.0):
-`python -m vllm_dflash.validate.conformance.tiny --out DIR CASE...`. The host side (compare.py) calls it through
+`python -m vllm_dflash.conformance.tiny --out DIR CASE...`. The host side (compare.py) calls it through
 `build_cases`, which caches each case directory under a hash of its spec (cases.CaseSpec.digest).
 
 The drafter is instantiated from the reference package's own `DFlashDraftModel`, so its parameter names and config
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.validate.conformance import cases as C
+from vllm_dflash.conformance import cases as C
 
 CASE_FILE = "case.json"
 # Larger than HF's default 0.02 so logits are O(1): wrong semantics then move logits by O(1), far above 1e-4.

@@ -25,8 +25,8 @@ from vllm_dflash import proc
 from vllm_dflash.errors import ToolchainError, UnsupportedModeError
 
 if TYPE_CHECKING:
-    from vllm_dflash.build.patches import Patch, PatchedTree
-    from vllm_dflash.build.wheel import WheelResult
+    from vllm_dflash.pipeline.patches import Patch, PatchedTree
+    from vllm_dflash.pipeline.wheel import WheelResult
     from vllm_dflash.manifest import Manifest
 
 MODES = ("auto", "fast", "full")
@@ -545,7 +545,7 @@ def full_build_provenance(
     manifest: Manifest, patched: PatchedTree, plan: BuildPlan, mode_reason: str
 ) -> dict[str, Any]:
     """What went into a full build: the fast path's provenance document, with the build plan instead of a base wheel."""
-    from vllm_dflash.build.wheel import provenance
+    from vllm_dflash.pipeline.wheel import provenance
 
     doc = provenance(manifest, patched, Path("-"), "", "full", mode_reason, ())
     doc["build"].update(
@@ -572,7 +572,7 @@ def build_full_wheel(
 
     Provenance (mode, reason, patches, the build environment) goes next to it as `<wheel>.provenance.json`.
     """
-    from vllm_dflash.build.wheel import WheelResult
+    from vllm_dflash.pipeline.wheel import WheelResult
     from vllm_dflash.fetch import sha256_file
 
     opts = options or FullBuildOptions.from_env()

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.validate.conformance.cases import CASE_NAMES
+from vllm_dflash.conformance.cases import CASE_NAMES
 
 _EPILOG = f"""\
 cases: {", ".join(CASE_NAMES)}.
@@ -37,7 +37,7 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from vllm_dflash.errors import ConformanceError
     from vllm_dflash.manifest import load_manifest
-    from vllm_dflash.validate.conformance.compare import FAILED_EXIT, ConformanceOptions, render, run_conformance
+    from vllm_dflash.conformance.compare import FAILED_EXIT, ConformanceOptions, render, run_conformance
 
     for flag, path in (("--patched-wheel", args.patched_wheel), ("--stock-wheel", args.stock_wheel)):
         if path is not None and not path.is_file():

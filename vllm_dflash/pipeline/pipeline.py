@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.build.patches import apply_series, series_or_empty
-from vllm_dflash.build.source import add_source_argument, prepare_source, trees_lock
-from vllm_dflash.build.wheel import WheelResult, add_wheel_arguments, build_wheel
+from vllm_dflash.pipeline.patches import apply_series, series_or_empty
+from vllm_dflash.pipeline.source import add_source_argument, prepare_source, trees_lock
+from vllm_dflash.pipeline.wheel import WheelResult, add_wheel_arguments, build_wheel
 from vllm_dflash.manifest import Manifest, load_manifest
 
 
@@ -31,7 +31,7 @@ def run_build(
     t0 = time.monotonic()
     # Read the queue first: a malformed series or an unsafe patch fails before anything is downloaded.
     patches = series_or_empty(manifest.patches_dir)
-    from vllm_dflash.build.fullbuild import preflight
+    from vllm_dflash.pipeline.fullbuild import preflight
 
     preflight(mode)  # --mode full: refuse before downloading anything when the CUDA toolchain is missing
     with trees_lock():  # the cached tree's HEAD moves (base → fork branch) until the wheel has read it

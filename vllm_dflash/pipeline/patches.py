@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from vllm_dflash import proc
-from vllm_dflash.build.source import FIXED_DATE, SourceTree, check_clean
+from vllm_dflash.pipeline.source import FIXED_DATE, SourceTree, check_clean
 from vllm_dflash.errors import DirtyTreeError, ManifestError, PatchError
 from vllm_dflash.manifest import SERIES_PATH, load_manifest
 
@@ -419,7 +419,7 @@ def run_status(args: argparse.Namespace) -> int:
         applies = all(v.status is upstream.Status.APPLIES for v in report.verdicts)
         return 0 if applies else PatchError.return_code
     patches = series_or_empty(manifest.patches_dir)
-    from vllm_dflash.build.source import prepare_source, trees_lock
+    from vllm_dflash.pipeline.source import prepare_source, trees_lock
 
     with trees_lock():
         tree = prepare_source(manifest, "auto")
