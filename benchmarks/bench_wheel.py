@@ -18,10 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_dflash.manifest import load_manifest
 from vllm_dflash.pipeline.patches import PatchedTree, apply_series, series_or_empty
 from vllm_dflash.pipeline.source import prepare_source
 from vllm_dflash.pipeline.wheel import build_fast_wheel, resolve_base_wheel
-from vllm_dflash.manifest import load_manifest
 
 GOAL_S = 5.0
 

@@ -209,8 +209,8 @@ def make_checkout(tmp: Path, cache: Path) -> Checkout:
 @pytest.fixture
 def checkout(tmp_path: Path, real_cache: Path, manifest: Manifest, sdist_tree) -> Checkout:  # type: ignore[no-untyped-def]
     """A checkout whose private cache shares the real downloads and starts with a clone of the session's tree."""
-    from vllm_dflash.pipeline.source import default_dest
     from vllm_dflash.fetch import fetch
+    from vllm_dflash.pipeline.source import default_dest
 
     fetch(manifest.sdist)
     cache = tmp_path / "cache"

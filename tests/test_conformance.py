@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from vllm_dflash.manifest import Manifest
 from vllm_dflash.conformance import cases as C
 from vllm_dflash.conformance import compare
 from vllm_dflash.conformance import oracle as O
+from vllm_dflash.manifest import Manifest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def _in_ref(ref_python: Path, *args: str | Path) -> subprocess.CompletedProcess[
 @pytest.fixture(scope="session")
 def built_cases(ref_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("cases")
-    _in_ref(ref_python, "-m", "vllm_dflash.conformance.tiny", "--out", out)
+    _in_ref(ref_python, "-m", "vllm_dflash.conformance.tiny", json.dumps({"out": str(out), "cases": []}))
     return {s.name: out / f"{s.name}-{s.digest()}" for s in C.CASES}
 
 
@@ -52,10 +52,8 @@ def selftests(
     ref_python: Path, built_cases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("selftest")
-    args: list[str | Path] = []
-    for name, cdir in built_cases.items():
-        args += ["--selftest", cdir, out / f"{name}.json"]
-    _in_ref(ref_python, "-m", "vllm_dflash.conformance.oracle", *args)
+    job = {"selftests": [[str(cdir), str(out / f"{name}.json")] for name, cdir in built_cases.items()]}
+    _in_ref(ref_python, "-m", "vllm_dflash.conformance.oracle", json.dumps(job))
     return {name: json.loads((out / f"{name}.json").read_text()) for name in built_cases}
 
 
@@ -102,7 +100,7 @@ def test_tiny_models_have_the_layout_vllm_and_the_reference_read(built_cases: di
 @pytest.mark.network
 def test_tiny_models_are_deterministic(ref_python: Path, built_cases: dict[str, Path], tmp_path: Path) -> None:
     """Same spec, same bytes: the cache keyed by the spec's digest may be trusted."""
-    _in_ref(ref_python, "-m", "vllm_dflash.conformance.tiny", "--out", tmp_path, "mixed")
+    _in_ref(ref_python, "-m", "vllm_dflash.conformance.tiny", json.dumps({"out": str(tmp_path), "cases": ["mixed"]}))
     spec = C.get_cases(["mixed"])[0]
     again, first = tmp_path / f"mixed-{spec.digest()}", built_cases["mixed"]
     for rel in ("target/model.safetensors", "drafter/model.safetensors", "case.json", "target/tokenizer.json"):

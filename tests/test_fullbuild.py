@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dflash.pipeline import fullbuild as fb
-from vllm_dflash.pipeline.patches import Patch, PatchedTree, load_patch, series_or_empty
 from vllm_dflash.errors import ToolchainError, UnsupportedModeError
 from vllm_dflash.fetch import cache_dir, fetch
 from vllm_dflash.manifest import Manifest
+from vllm_dflash.pipeline import fullbuild as fb
+from vllm_dflash.pipeline.patches import Patch, PatchedTree, load_patch, series_or_empty
 
 PY_PATCH = """\
 From 1111111111111111111111111111111111111111 Mon Sep 17 00:00:00 2001

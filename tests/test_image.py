@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dflash.pipeline import image as img
 from vllm_dflash.errors import ContainerError
 from vllm_dflash.fetch import cache_dir
 from vllm_dflash.manifest import Manifest, load_manifest
+from vllm_dflash.pipeline import image as img
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"

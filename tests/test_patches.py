@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import Checkout, PatchFactory, git, replace_line
 
+from vllm_dflash.errors import ManifestError, PatchError
 from vllm_dflash.pipeline.patches import (
     PatchState,
     apply_series,
@@ -16,7 +17,6 @@ from vllm_dflash.pipeline.patches import (
     read_series,
 )
 from vllm_dflash.pipeline.source import SourceTree
-from vllm_dflash.errors import ManifestError, PatchError
 
 DFLASH = "vllm/v1/spec_decode/dflash.py"
 VERSION_PY = "vllm/_version.py"

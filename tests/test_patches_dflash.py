@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dflash.pipeline.patches import Patch, PatchState, check_patch, check_series, read_series
 from vllm_dflash.manifest import Manifest, parse_artifact
+from vllm_dflash.pipeline.patches import Patch, PatchState, check_patch, check_series, read_series
 
 REQUIRED_DEP3 = ("Description", "Origin", "Forwarded", "Applied-Upstream", "Bug", "Last-Update", "Drop-When")
 TAP = "0001-dflash-target-layer-taps.patch"

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from vllm_dflash.pipeline.patches import load_patch, read_series
 from vllm_dflash.cli import main
 from vllm_dflash.errors import UpstreamError
 from vllm_dflash.manifest import load_manifest
+from vllm_dflash.pipeline.patches import load_patch, read_series
 from vllm_dflash.upstream import (
     ContentCheck,
     DropWhen,

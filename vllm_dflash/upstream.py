@@ -333,8 +333,8 @@ def resolve_release(manifest: Manifest, version: str) -> Release:
 
 
 def release_target(manifest: Manifest, version: str, ref: str | None = None) -> Target:
-    from vllm_dflash.pipeline.source import release_tree
     from vllm_dflash.fetch import cache_dir
+    from vllm_dflash.pipeline.source import release_tree
 
     rel = resolve_release(manifest, version)
     tree = release_tree(version, rel.sdist, rel.commit, cache_dir() / "trees" / f"vllm-{version}-sdist")
@@ -893,9 +893,9 @@ def rebase(
     pin's tree); a clean merge refreshes the patch file. A merge conflict stops the rebase and leaves a work tree
     (outside the repo) to resolve it in; `resume=True` then picks up from that work tree.
     """
+    from vllm_dflash.fetch import project_files
     from vllm_dflash.pipeline.patches import apply_series, read_series, series_or_empty
     from vllm_dflash.pipeline.source import SourceTree
-    from vllm_dflash.fetch import project_files
 
     if m := _RELEASE.match(ref):
         _refuse_not_newer(manifest, m.group("v"))  # before any download or unpacking

@@ -35,9 +35,9 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vllm_dflash.conformance.compare import FAILED_EXIT, ConformanceOptions, render, run_conformance
     from vllm_dflash.errors import ConformanceError
     from vllm_dflash.manifest import load_manifest
-    from vllm_dflash.conformance.compare import FAILED_EXIT, ConformanceOptions, render, run_conformance
 
     for flag, path in (("--patched-wheel", args.patched_wheel), ("--stock-wheel", args.stock_wheel)):
         if path is not None and not path.is_file():

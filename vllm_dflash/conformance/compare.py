@@ -34,11 +34,11 @@ from typing import Any
 
 from vllm_dflash import __version__ as TOOL_VERSION
 from vllm_dflash import proc
+from vllm_dflash.conformance import cases as C
+from vllm_dflash.conformance import oracle as O
 from vllm_dflash.errors import ConformanceError, ManifestError
 from vllm_dflash.fetch import cache_dir, fetch, sha256_file
 from vllm_dflash.manifest import Manifest
-from vllm_dflash.conformance import cases as C
-from vllm_dflash.conformance import oracle as O
 
 BUILDS = ("patched", "stock")
 DEVICES = ("cpu", "cuda")
@@ -153,9 +153,7 @@ def _build_cases(manifest: Manifest, ref_python: Path, base: Path, missing: list
             ref_python,
             "-m",
             "vllm_dflash.conformance.tiny",
-            "--out",
-            base,
-            *missing,
+            json.dumps({"out": str(base), "cases": missing}),
             env=_ref_environ(manifest),
             error=ConformanceError,
             hint="the reference environment is broken: delete it under the cache's envs/ and retry",
@@ -266,16 +264,12 @@ def run_vllm_side(runner: Runner, jobs: Sequence[tuple[str, Path, Path]], device
     while pending:
         for _, _, trace in pending:
             trace.unlink(missing_ok=True)
-        args: list[str] = []
-        for _, cdir, trace in pending:
-            args += ["--case", str(cdir), "--out", str(trace)]
+        job = {"device": device, "jobs": [[str(cdir), str(trace)] for _, cdir, trace in pending]}
         result = proc.call(
             runner.python,
             "-m",
             "vllm_dflash.conformance.vllm_side",
-            *args,
-            "--device",
-            device,
+            json.dumps(job),
             env=dict(runner.environ),
             check=False,
         )
@@ -301,21 +295,19 @@ def run_oracle(ref_python: Path, manifest: Manifest, jobs: Sequence[tuple[Path, 
     """One reference-env process compares every (case_dir, trace) and writes metrics JSON files."""
     if not jobs:
         return
-    args: list[str] = []
-    for cdir, trace, out in jobs:
+    for _, _, out in jobs:
         out.unlink(missing_ok=True)
-        args += ["--job", str(cdir), str(trace), str(out)]
-    extra = ["--approx-lossless"] if not tol.exact_lossless else []
+    job = {
+        "jobs": [[str(cdir), str(trace), str(out)] for cdir, trace, out in jobs],
+        "tol": tol.max_abs_logit,
+        "tie_margin": tol.tie_margin,
+        "approx_lossless": not tol.exact_lossless,
+    }
     proc.call(
         ref_python,
         "-m",
         "vllm_dflash.conformance.oracle",
-        *args,
-        "--tol",
-        str(tol.max_abs_logit),
-        "--tie-margin",
-        str(tol.tie_margin),
-        *extra,
+        json.dumps(job),
         env=_ref_environ(manifest),
         error=ConformanceError,
         hint="the oracle could not read a trace; the message above names it",

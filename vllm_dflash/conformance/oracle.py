@@ -1,7 +1,7 @@
 """No-cache reference oracle for the DFlash drafter, built on the authors' `dflash` 0.1.0 package, and its negatives.
 
 Runs inside the dflash reference environment (see `reference_spec`):
-`python -m vllm_dflash.conformance.oracle --case DIR --trace TRACE.jsonl --out METRICS.json`
+`python -m vllm_dflash.conformance.oracle '{"jobs": [[CASE_DIR, TRACE.jsonl, METRICS.json]], ...}'`
 reads the vLLM side's per-step trace and recomputes every drafter proposal from scratch:
 
 1. target forward (HF `Qwen3ForCausalLM`, fp32) over the step's context `token_ids[:context_len]`;
@@ -30,7 +30,6 @@ environment and call this module in it; they import only the standard library an
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -386,28 +385,16 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _oracle_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="compare vLLM DFlash traces with the reference oracle")
-    parser.add_argument(
-        "--job",
-        nargs=3,
-        action="append",
-        metavar=("CASE_DIR", "TRACE", "OUT"),
-        help="compare TRACE (the vLLM side's JSONL) for CASE_DIR, write metrics JSON to OUT; repeatable",
-    )
-    parser.add_argument(
-        "--selftest",
-        nargs=2,
-        action="append",
-        metavar=("CASE_DIR", "OUT"),
-        help="check the oracle against the "
-        "reference's own generate loop and the negatives against the oracle; repeatable",
-    )
-    parser.add_argument("--tie-margin", type=float, default=0.0)
-    parser.add_argument("--tol", type=float, default=1e-4)
-    parser.add_argument("--approx-lossless", action="store_true")
-    args = parser.parse_args(argv)
-    if not args.job and not args.selftest:
-        parser.error("give at least one --job or --selftest")
+    """One JSON argument: {"jobs": [[case dir, trace, metrics out], ...], "selftests": [[case dir, out], ...],
+    "tie_margin": float, "tol": float, "approx_lossless": bool}."""
+    job = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    jobs: list[list[str]] = job.get("jobs") or []
+    selftests: list[list[str]] = job.get("selftests") or []
+    if not jobs and not selftests:
+        raise SystemExit("oracle: give at least one job or selftest")
+    tie_margin = float(job.get("tie_margin", 0.0))
+    tol = float(job.get("tol", 1e-4))
+    approx_lossless = bool(job.get("approx_lossless", False))
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -423,19 +410,19 @@ def _oracle_main(argv: list[str] | None = None) -> int:
             oracles[path] = ReferenceOracle(path)
         return oracles[path]
 
-    for case_dir, out in args.selftest or []:
+    for case_dir, out in selftests:
         st = selftest(get(case_dir))
         _write_json(Path(out), asdict(st))
         print(f"oracle selftest {st.case}: {st.steps_compared} steps, max |dlogit| vs loop {st.max_abs_vs_loop:.3g}")
-    for case_dir, trace, out in args.job or []:
+    for case_dir, trace, out in jobs:
         oracle = get(case_dir)
         metrics = evaluate(
             oracle,
             Path(trace),
             variants_for(oracle.case.name),
-            tie_margin=args.tie_margin,
-            tol=args.tol,
-            exact_lossless=not args.approx_lossless,
+            tie_margin=tie_margin,
+            tol=tol,
+            exact_lossless=not approx_lossless,
         )
         _write_json(Path(out), asdict(metrics))
         print(f"oracle {metrics.case} ({trace}): {metrics.steps} steps, max |dlogit| {metrics.main.max_abs:.3g}")

@@ -1,8 +1,8 @@
 """Tiny random target + DFlash drafter models for the conformance cases, saved the way vLLM 0.20.1 loads them.
 
 Runs inside the dflash reference environment (torch 2.13.0, transformers 5.15.0, dflash 0.1.0):
-`python -m vllm_dflash.conformance.tiny --out DIR CASE...`. The host side (compare.py) calls it through
-`build_cases`, which caches each case directory under a hash of its spec (cases.CaseSpec.digest).
+`python -m vllm_dflash.conformance.tiny '{"out": DIR, "cases": [CASE, ...]}'`. The host side (compare.py) calls it
+through `build_cases`, which caches each case directory under a hash of its spec (cases.CaseSpec.digest).
 
 The drafter is instantiated from the reference package's own `DFlashDraftModel`, so its parameter names and config
 keys are by construction the ones the reference reads; vLLM reads the same config.json through its EAGLE config path
@@ -11,7 +11,6 @@ keys are by construction the ones the reference reads; vLLM reads the same confi
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -195,12 +194,9 @@ def build_case(spec: C.CaseSpec, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="build tiny conformance case directories (run in the dflash env)")
-    parser.add_argument(
-        "--out", required=True, type=Path, help="parent directory; each case goes to OUT/<name>-<digest>"
-    )
-    parser.add_argument("cases", nargs="*", help="case names (default: all)")
-    args = parser.parse_args(argv)
+    """One JSON argument: {"out": parent directory (each case goes to OUT/<name>-<digest>), "cases": [names]}."""
+    job = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    out = Path(job["out"])
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -208,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # tiny models; OpenMP threads only contend on a small machine
-    for spec in C.get_cases(args.cases):
-        path = build_case(spec, args.out / f"{spec.name}-{spec.digest()}")
+    for spec in C.get_cases(job.get("cases") or []):
+        path = build_case(spec, out / f"{spec.name}-{spec.digest()}")
         print(f"built {spec.name}: {path}", flush=True)
     return 0
 

@@ -1,7 +1,7 @@
 """The vLLM side of the conformance test: run DFlash in vLLM on a tiny case and record every drafter proposal.
 
 Runs INSIDE the vLLM environment (see envs.py), as
-    python -m vllm_dflash.conformance.vllm_side --case DIR --out FILE.jsonl [--case DIR2 --out F2.jsonl ...]
+    python -m vllm_dflash.conformance.vllm_side '{"device": "cpu", "jobs": [[CASE_DIR, TRACE.jsonl], ...]}'
 with our test plugin (tests/conformance_plugin) importable. Standard library, torch and vLLM only: this module must
 import without vllm_dflash's own dependencies.
 
@@ -15,7 +15,6 @@ then {"summary": {"outputs", "num_drafts", "num_draft_tokens", "num_accepted_tok
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -156,21 +155,17 @@ def run_case(case_dir: Path, out_path: Path, device: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="vllm_side", description=__doc__.splitlines()[0])
-    ap.add_argument("--case", action="append", required=True, type=Path, help="case directory (with case.json)")
-    ap.add_argument("--out", action="append", required=True, type=Path, help="trace file for the preceding --case")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    args = ap.parse_args(argv)
-    if len(args.case) != len(args.out):
-        ap.error("give one --out per --case")
-    for case_dir, out in zip(args.case, args.out, strict=True):
+    """One JSON argument: {"device": "cpu" | "cuda", "jobs": [[case directory, trace path], ...]}."""
+    job = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    device = str(job.get("device", "cpu"))
+    for case_dir, out in ((Path(c), Path(o)) for c, o in job["jobs"]):
         out.parent.mkdir(parents=True, exist_ok=True)
         record_file = out.with_name(out.name + ".records")
         record_file.unlink(missing_ok=True)
         os.environ[RECORD_FILE_VAR] = str(record_file)
-        _prepare_environ(args.device)
+        _prepare_environ(device)
         try:
-            summary = run_case(case_dir, out, args.device)
+            summary = run_case(case_dir, out, device)
         finally:
             record_file.unlink(missing_ok=True)
         print(

@@ -25,9 +25,9 @@ from vllm_dflash import proc
 from vllm_dflash.errors import ToolchainError, UnsupportedModeError
 
 if TYPE_CHECKING:
+    from vllm_dflash.manifest import Manifest
     from vllm_dflash.pipeline.patches import Patch, PatchedTree
     from vllm_dflash.pipeline.wheel import WheelResult
-    from vllm_dflash.manifest import Manifest
 
 MODES = ("auto", "fast", "full")
 
@@ -572,8 +572,8 @@ def build_full_wheel(
 
     Provenance (mode, reason, patches, the build environment) goes next to it as `<wheel>.provenance.json`.
     """
-    from vllm_dflash.pipeline.wheel import WheelResult
     from vllm_dflash.fetch import sha256_file
+    from vllm_dflash.pipeline.wheel import WheelResult
 
     opts = options or FullBuildOptions.from_env()
     tree = Path(patched.path)

@@ -18,9 +18,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from vllm_dflash import proc
-from vllm_dflash.pipeline.source import FIXED_DATE, SourceTree, check_clean
 from vllm_dflash.errors import DirtyTreeError, ManifestError, PatchError
 from vllm_dflash.manifest import SERIES_PATH, load_manifest
+from vllm_dflash.pipeline.source import FIXED_DATE, SourceTree, check_clean
 
 DEP3_KEYS = ("Description", "Subject", "Origin", "Forwarded", "Applied-Upstream", "Bug", "Last-Update", "Drop-When")
 # Paths that the wheel does not ship: a .py change there cannot affect the fast-path overlay.

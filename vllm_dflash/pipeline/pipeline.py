@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_dflash.manifest import Manifest, load_manifest
 from vllm_dflash.pipeline.patches import apply_series, series_or_empty
 from vllm_dflash.pipeline.source import add_source_argument, prepare_source, trees_lock
 from vllm_dflash.pipeline.wheel import WheelResult, add_wheel_arguments, build_wheel
-from vllm_dflash.manifest import Manifest, load_manifest
 
 
 def run_build(

@@ -25,10 +25,10 @@ from typing import Any
 
 from vllm_dflash import __version__ as TOOL_VERSION
 from vllm_dflash import proc
-from vllm_dflash.pipeline.patches import UNSHIPPED_PREFIXES, PatchedTree
 from vllm_dflash.errors import HashMismatchError, ManifestError, PinMismatchError, UnsupportedModeError
 from vllm_dflash.fetch import fetch, sha256_file
 from vllm_dflash.manifest import Artifact, Manifest, load_manifest
+from vllm_dflash.pipeline.patches import UNSHIPPED_PREFIXES, PatchedTree
 
 PROVENANCE_PATH = "vllm/dflash_build.json"
 VERSION_PY = "vllm/_version.py"
