@@ -24,17 +24,11 @@ from vllm_dflash.cli import main
 from vllm_dflash.errors import PublishRefusedError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.publish import publish
+from vllm_dflash.report import KEY_ENV as REPORT_KEY_ENV
+from vllm_dflash.report import SCHEMA as REPORT_SCHEMA
+from vllm_dflash.report import key_from_env, seal, write
 from vllm_dflash.validate import metrics
-from vllm_dflash.validate.smoke import (
-    REPORT_KEY_ENV,
-    REPORT_SCHEMA,
-    judge,
-    load_profiles,
-    profile_digest,
-    report_key,
-    seal,
-    write_report,
-)
+from vllm_dflash.validate.smoke import judge, load_profiles, profile_digest
 
 PROFILE = "gate-test"
 PROFILE_TABLE = {
@@ -122,7 +116,7 @@ def make_report(
         "verdict": "pass" if all(v.passed for v in verdicts) else "fail",
     }
     body.update(over)
-    write_report(seal(body, report_key()), path)
+    write(seal(body, key_from_env()), path, key_from_env())
     return path
 
 

@@ -23,6 +23,7 @@ import tomlkit
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_dflash.fetch import fetch, sha256_file
+from vllm_dflash.report import seal_problem
 from vllm_dflash.validate.server import (
     CPU_SERVER_WHEEL,
     ContainerOptions,
@@ -37,7 +38,7 @@ from vllm_dflash.validate.server import (
     launch_subprocess,
     make_tiny_model,
 )
-from vllm_dflash.validate.smoke import load_profiles, seal_problem
+from vllm_dflash.validate.smoke import load_profiles
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
 

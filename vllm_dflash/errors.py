@@ -102,3 +102,15 @@ class StorageError(DflashError):
     """A file or directory could not be read or written (full disk, read-only, permissions, not a directory)."""
 
     return_code = 15
+
+
+class ProvenanceError(DflashError):
+    """A wheel carries no (or a malformed) build provenance document."""
+
+    return_code = 16
+
+
+class VerifyError(DflashError):
+    """A release does not verify: a checksum, the SBOM, the provenance statement, a signature or a report binding."""
+
+    return_code = 17

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import html
-import json
 import os
 import re
 import shutil
@@ -23,9 +22,11 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from vllm_dflash import proc
+from vllm_dflash import report as reports
 from vllm_dflash.errors import ContainerError, ManifestError, PublishRefusedError, ToolchainError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest, load_manifest
+from vllm_dflash.report import ValidationReport
 
 _REFUSE_HINT = "run `vllm-dflash validate` on a GPU node for this artifact and pass its report with --report"
 
@@ -70,46 +71,37 @@ def identify(artifact: str, container_tool: str = "docker") -> ArtifactId:
     return ArtifactId(kind="image", name=artifact, sha256=digest)
 
 
-def check_gate(report_path: Path | None, artifact: ArtifactId, manifest: Manifest) -> Mapping[str, Any]:
+def check_gate(report_path: Path | None, artifact: ArtifactId, manifest: Manifest) -> ValidationReport:
     """The report, when it allows publishing `artifact`; PublishRefusedError (one line each) otherwise."""
-    from vllm_dflash.validate.smoke import REPORT_SCHEMA, load_profiles, profile_digest, report_key, seal_problem
+    from vllm_dflash.validate.smoke import load_profiles, profile_digest
 
     if report_path is None:
         raise PublishRefusedError(f"no validation report given for {artifact.name}", _REFUSE_HINT)
-    try:
-        report = json.loads(report_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise PublishRefusedError(f"cannot read report {report_path}: {exc}", _REFUSE_HINT) from None
-    if not isinstance(report, dict) or report.get("schema") != REPORT_SCHEMA:
-        raise PublishRefusedError(f"{report_path} is not a vllm-dflash validation report", _REFUSE_HINT)
-    problem = seal_problem(report, report_key())
-    if problem is not None:
-        raise PublishRefusedError(f"report {report_path} is not trustworthy: {problem}", _REFUSE_HINT)
-    if report.get("verdict") != "pass":
-        failed = [g["gate"] for g in report.get("gates", []) if not g.get("passed")]
-        why = f"failed gates {failed}" if failed else f"error: {report.get('error')}"
-        raise PublishRefusedError(f"report {report_path} did not pass (verdict {report.get('verdict')}, {why})", "")
-    named = ((report.get("server") or {}).get("artifact") or {}).get("sha256")
-    if named != artifact.sha256:
+    rep = reports.load(report_path, reports.key_from_env(), PublishRefusedError, _REFUSE_HINT)
+    if rep.verdict != "pass":
         raise PublishRefusedError(
-            f"report {report_path} is for another artifact ({named or 'none named'}), "
+            f"report {report_path} did not pass (verdict {rep.verdict}, {rep.why_not_passed()})", ""
+        )
+    if rep.artifact_sha256 != artifact.sha256:
+        raise PublishRefusedError(
+            f"report {report_path} is for another artifact ({rep.artifact_sha256 or 'none named'}), "
             f"not {artifact.name} ({artifact.sha256})",
             "validate this exact artifact (validate --wheel FILE or --image REF)",
         )
-    profile = (report.get("profile") or {}).get("name")
+    profile = rep.profile_name
     required = required_profiles(manifest)
     if profile not in required:
         raise PublishRefusedError(
             f"report profile '{profile}' is not one the manifest requires for publishing {list(required)}",
             "validate with a required profile",
         )
-    current = load_profiles(manifest.root).get(str(profile))
-    if current is None or profile_digest(current.definition) != report["profile"].get("sha256"):
+    current = load_profiles(manifest.root).get(profile)
+    if current is None or profile_digest(current.definition) != rep.profile_sha256:
         raise PublishRefusedError(
             f"report was made with a different definition of profile '{profile}' than dist.toml now holds",
             "validate again with the manifest's profile",
         )
-    return dict(report)
+    return rep
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -226,7 +218,7 @@ def publish(
     else:
         publish_image(ident.name, to, container_tool)
         destination = to
-    return PublishResult(artifact=ident, destination=destination, profile=str(rep["profile"]["name"]), report=report)
+    return PublishResult(artifact=ident, destination=destination, profile=rep.profile_name, report=report)
 
 
 def register(sub: Any) -> None:

@@ -13,7 +13,6 @@ import contextlib
 import datetime as dt
 import gzip
 import hashlib
-import hmac
 import importlib.util
 import json
 import os
@@ -27,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dflash import __version__
+from vllm_dflash import report as reports
 from vllm_dflash.errors import ManifestError, MeasurementError
 from vllm_dflash.manifest import load_manifest
+from vllm_dflash.report import canonical_json
 from vllm_dflash.validate import metrics
 from vllm_dflash.validate.metrics import Acceptance
 from vllm_dflash.validate.server import (
@@ -41,8 +42,6 @@ from vllm_dflash.validate.server import (
     use_endpoint,
 )
 
-REPORT_SCHEMA = "vllm-dflash.validation-report/1"
-REPORT_KEY_ENV = "VLLM_DFLASH_REPORT_KEY"  # optional HMAC key: reports become unforgeable without it
 PROMPTS_DIR = Path(__file__).parent / "prompts"
 BUILTIN_SETS = ("coding", "math", "chat")
 EXIT_PASS, EXIT_FAIL, EXIT_UNMEASURED = 0, 1, 2
@@ -107,10 +106,6 @@ class Profile:
             env=self.env,
             health_timeout_s=self.health_timeout_s,
         )
-
-
-def canonical_json(data: Any) -> bytes:
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def profile_digest(definition: Mapping[str, Any]) -> str:
@@ -395,60 +390,6 @@ def judge(profile: Profile, acc: Acceptance, match_rate: float | None) -> list[V
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Reports: canonical JSON, sealed
-
-
-def seal(body: Mapping[str, Any], key: bytes | None = None) -> dict[str, Any]:
-    """The report with a `seal` over its canonical body.
-
-    The sha256 catches edits made without re-sealing (a hand-edited number, a truncated file). Anyone can
-    recompute it, so it does not stop a deliberate forgery; with $VLLM_DFLASH_REPORT_KEY set, an HMAC-SHA256 is
-    added, which only holders of the key can produce.
-    """
-    blob = canonical_json({k: v for k, v in body.items() if k != "seal"})
-    report = {k: v for k, v in body.items() if k != "seal"}
-    report["seal"] = {"sha256": hashlib.sha256(blob).hexdigest()}
-    if key:
-        report["seal"]["hmac_sha256"] = hmac.new(key, blob, hashlib.sha256).hexdigest()
-    return report
-
-
-def seal_problem(report: Mapping[str, Any], key: bytes | None = None) -> str | None:
-    """None when the seal holds; otherwise what is wrong with it."""
-    found = report.get("seal")
-    if not isinstance(found, Mapping) or "sha256" not in found:
-        return "it has no seal"
-    blob = canonical_json({k: v for k, v in report.items() if k != "seal"})
-    if not hmac.compare_digest(str(found["sha256"]), hashlib.sha256(blob).hexdigest()):
-        return "its content does not match its seal (edited after validation)"
-    if key:
-        mac = found.get("hmac_sha256")
-        if not isinstance(mac, str):
-            return f"it has no HMAC although {REPORT_KEY_ENV} is set"
-        if not hmac.compare_digest(mac, hmac.new(key, blob, hashlib.sha256).hexdigest()):
-            return f"its HMAC does not verify with {REPORT_KEY_ENV}"
-    return None
-
-
-def report_key() -> bytes | None:
-    value = os.environ.get(REPORT_KEY_ENV)
-    return value.encode() if value else None
-
-
-def write_report(report: Mapping[str, Any], path: Path) -> None:
-    """Temp file in the same directory, read back and checked, then renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-        if seal_problem(json.loads(tmp.read_text()), report_key()) is not None:
-            raise MeasurementError(f"report written to {tmp} does not verify", "check free disk space and retry")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
@@ -522,7 +463,7 @@ def validate(
     if choice.mode == "endpoint":
         want_baseline = choice.baseline_endpoint is not None
     body: dict[str, Any] = {
-        "schema": REPORT_SCHEMA,
+        "schema": reports.SCHEMA,
         "tool": {"name": "vllm-dflash", "version": __version__},
         "profile": {"name": profile.name, "sha256": profile_digest(profile.definition), **profile.definition},
         "prompts": {"set": prompt_set or profile.prompts, "count": len(prompts), "sha256": prompts_digest(prompts)},
@@ -580,13 +521,13 @@ def validate(
         body["timestamps"]["finished"] = _now()
         timings["total_s"] = time.monotonic() - t0
         body["timings"] = timings
-        write_report(seal(body, report_key()), report_path)
+        reports.write(reports.seal(body, reports.key_from_env()), report_path, reports.key_from_env())
         raise
     body["timestamps"]["finished"] = _now()
     timings["total_s"] = time.monotonic() - t0
     body["timings"] = timings
-    report = seal(body, report_key())
-    write_report(report, report_path)
+    report = reports.seal(body, reports.key_from_env())
+    reports.write(report, report_path, reports.key_from_env())
     if show:
         render(report)
     return ValidationResult(report=report, report_path=report_path, exit_code=code)

@@ -1,0 +1,169 @@
+"""The validation report: its schema, its seal, writing it and reading it back. This module owns the format.
+
+`validate` writes one; `publish`, `release` and `verify` read it. A report carries a sha256 over its canonical
+content (any edit made without re-sealing shows) and, with $VLLM_DFLASH_REPORT_KEY set, an HMAC-SHA256 that only
+holders of the key can produce.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_dflash.errors import DflashError
+from vllm_dflash.paths import write_text_atomic
+
+SCHEMA = "vllm-dflash.validation-report/1"
+KEY_ENV = "VLLM_DFLASH_REPORT_KEY"  # optional HMAC key: reports become unforgeable without it
+
+
+def canonical_json(data: Any) -> bytes:
+    """The bytes a seal or a digest is computed over: sorted keys, no whitespace, UTF-8."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def key_from_env() -> bytes | None:
+    value = os.environ.get(KEY_ENV)
+    return value.encode() if value else None
+
+
+def seal(body: Mapping[str, Any], key: bytes | None = None) -> dict[str, Any]:
+    """The report with a `seal` over its canonical body (sha256, plus an HMAC when a key is given)."""
+    report = {k: v for k, v in body.items() if k != "seal"}
+    blob = canonical_json(report)
+    report["seal"] = {"sha256": hashlib.sha256(blob).hexdigest()}
+    if key:
+        report["seal"]["hmac_sha256"] = hmac.new(key, blob, hashlib.sha256).hexdigest()
+    return report
+
+
+def seal_problem(report: Mapping[str, Any], key: bytes | None = None) -> str | None:
+    """None when the seal holds; otherwise what is wrong with it."""
+    found = report.get("seal")
+    if not isinstance(found, Mapping) or not isinstance(found.get("sha256"), str):
+        return "it has no seal"
+    blob = canonical_json({k: v for k, v in report.items() if k != "seal"})
+    if not hmac.compare_digest(str(found["sha256"]), hashlib.sha256(blob).hexdigest()):
+        return "its content does not match its seal (edited after validation)"
+    if key:
+        mac = found.get("hmac_sha256")
+        if not isinstance(mac, str):
+            return f"it has no HMAC although {KEY_ENV} is set"
+        if not hmac.compare_digest(mac, hmac.new(key, blob, hashlib.sha256).hexdigest()):
+            return f"its HMAC does not verify with {KEY_ENV}"
+    return None
+
+
+def write(report: Mapping[str, Any], path: Path, key: bytes | None = None) -> None:
+    """Write a sealed report atomically, after checking that what is written verifies."""
+    text = json.dumps(report, indent=2, sort_keys=True) + "\n"
+    problem = seal_problem(json.loads(text), key)
+    if problem is not None:
+        raise DflashError(f"report for {path} does not verify before writing: {problem}", "report this")
+    write_text_atomic(path, text)
+
+
+@dataclass(frozen=True)
+class Gate:
+    gate: str
+    passed: bool
+    value: float | None
+    threshold: float | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """A sealed report read back from disk, with typed access to what its readers decide on."""
+
+    path: Path
+    data: Mapping[str, Any]  # the document exactly as written (the seal covers it)
+
+    @property
+    def verdict(self) -> str:
+        return str(self.data.get("verdict"))
+
+    @property
+    def error(self) -> str | None:
+        err = self.data.get("error")
+        return str(err) if err is not None else None
+
+    @property
+    def profile_name(self) -> str:
+        return str((self.data.get("profile") or {}).get("name"))
+
+    @property
+    def profile_sha256(self) -> str | None:
+        sha = (self.data.get("profile") or {}).get("sha256")
+        return str(sha) if sha is not None else None
+
+    @property
+    def artifact(self) -> Mapping[str, Any]:
+        return ((self.data.get("server") or {}).get("artifact")) or {}
+
+    @property
+    def artifact_sha256(self) -> str | None:
+        sha = self.artifact.get("sha256")
+        return str(sha) if sha is not None else None
+
+    @property
+    def artifact_name(self) -> str | None:
+        name = self.artifact.get("name")
+        return str(name) if name is not None else None
+
+    @property
+    def acceptance_length(self) -> float | None:
+        al = (self.data.get("acceptance") or {}).get("mean_acceptance_length")
+        return float(al) if isinstance(al, int | float) else None
+
+    @property
+    def gates(self) -> tuple[Gate, ...]:
+        out: list[Gate] = []
+        for g in self.data.get("gates") or []:
+            if isinstance(g, Mapping):
+                out.append(
+                    Gate(
+                        gate=str(g.get("gate")),
+                        passed=bool(g.get("passed")),
+                        value=g.get("value") if isinstance(g.get("value"), int | float) else None,
+                        threshold=g.get("threshold") if isinstance(g.get("threshold"), int | float) else None,
+                        detail=str(g.get("detail", "")),
+                    )
+                )
+        return tuple(out)
+
+    @property
+    def failed_gates(self) -> tuple[str, ...]:
+        return tuple(g.gate for g in self.gates if not g.passed)
+
+    def why_not_passed(self) -> str:
+        failed = self.failed_gates
+        return f"failed gates {list(failed)}" if failed else f"error: {self.error}"
+
+
+def load(path: Path, key: bytes | None, error: type[DflashError], hint: str = "") -> ValidationReport:
+    """Read a report and check its schema and seal; any problem is one `error` line (never another exception)."""
+    try:
+        data = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise error(f"cannot read report {path}: {exc.strerror or exc}", hint) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"report {path} is not JSON: {exc}", hint) from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise error(f"{path} is not a vllm-dflash validation report", hint)
+    problem = seal_problem(data, key)
+    if problem is not None:
+        raise error(f"report {path} is not trustworthy: {problem}", hint)
+    for section in ("profile", "server"):
+        if not isinstance(data.get(section), Mapping):
+            raise error(f"report {path} lacks its '{section}' section", hint)
+    gates = data.get("gates")
+    if not isinstance(gates, Sequence) or isinstance(gates, str):
+        raise error(f"report {path} has no list of gates", hint)
+    return ValidationReport(path=path, data=data)
