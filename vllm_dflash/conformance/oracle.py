@@ -24,15 +24,14 @@ Variants (negative controls): `tap-input` (hidden_states[L], vLLM 0.20.1's tap),
 full and non-causal: vLLM 0.20.1's drafter), `window-1`/`window+1`, `postnorm-last-tap`, and `stock-semantics`
 (tap-input + full-attention: what stock 0.20.1 computes; informational).
 
-The host-side helpers at the bottom (`reference_spec`, `ensure_reference_env`, `run_oracle`, ...) create the
-environment and call this module in it; they import only the standard library and vllm_dflash.
+The host side (vllm_dflash.envs creates the environment, compare.py calls this module in it) never imports it.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -427,46 +426,6 @@ def _oracle_main(argv: list[str] | None = None) -> int:
         _write_json(Path(out), asdict(metrics))
         print(f"oracle {metrics.case} ({trace}): {metrics.steps} steps, max |dlogit| {metrics.main.max_abs:.3g}")
     return 0
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Host part: the reference environment and calls into it
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def reference_artifact(raw_manifest: Mapping[str, Any]) -> Any:
-    """The pinned dflash wheel ([artifacts.reference] in dist.toml)."""
-    from vllm_dflash.errors import ManifestError
-    from vllm_dflash.manifest import parse_artifact
-
-    table = raw_manifest.get("artifacts", {}).get("reference")
-    if not isinstance(table, Mapping):
-        raise ManifestError(
-            "dist.toml has no [artifacts.reference] (the dflash reference wheel)", "add filename and sha256 for it"
-        )
-    return parse_artifact(table, "artifacts.reference")
-
-
-def reference_spec(wheel: Path) -> Any:
-    """The dflash reference environment: the hash-verified wheel with its own [local] extra (torch 2.13.0,
-    transformers 5.15.0) exactly as its authors pin them."""
-    from vllm_dflash.venvs import VenvSpec
-
-    # The resolved interpreter keeps the env's cache key the same whether we were started as python or python3.
-    return VenvSpec(
-        name="dflash-ref",
-        steps=((f"dflash[local] @ {wheel.as_uri()}",),),
-        python=str(Path(sys.executable).resolve()),
-    )
-
-
-def ensure_reference_env(raw_manifest: Mapping[str, Any]) -> Path:
-    """Python of the (cached) reference environment; built on first use (downloads the wheel via fetch())."""
-    from vllm_dflash.fetch import fetch
-    from vllm_dflash.venvs import ensure_venv, venv_python
-
-    wheel = fetch(reference_artifact(raw_manifest))
-    return venv_python(ensure_venv(reference_spec(wheel)))
 
 
 if __name__ == "__main__":

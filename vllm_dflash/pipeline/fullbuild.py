@@ -19,17 +19,17 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from vllm_dflash import proc
+from vllm_dflash import provenance as prov
 from vllm_dflash.errors import ToolchainError, UnsupportedModeError
-
-if TYPE_CHECKING:
-    from vllm_dflash.manifest import Manifest
-    from vllm_dflash.pipeline.patches import Patch, PatchedTree
-    from vllm_dflash.pipeline.wheel import WheelResult
-
-MODES = ("auto", "fast", "full")
+from vllm_dflash.fetch import sha256_file
+from vllm_dflash.manifest import Manifest
+from vllm_dflash.paths import ensure_dir
+from vllm_dflash.pipeline.model import MODES, ModeChoice, PatchedTree, WheelResult, make_provenance
+from vllm_dflash.pipeline.wheelfile import add_files
+from vllm_dflash.provenance import BuildInfo
+from vllm_dflash.series import Patch
 
 # What upstream's 0.20.1 release image builds for (docker/Dockerfile `ARG torch_cuda_arch_list`, CUDA 13.0).
 DEFAULT_CUDA_ARCH_LIST = "7.5 8.0 8.6 8.9 9.0 10.0 11.0 12.0+PTX"
@@ -61,12 +61,6 @@ _ARCH = re.compile(r"^\d+\.\d+[af]?(\+PTX)?$")
 
 
 # --------------------------------------------------------------------------------------------------- build mode
-@dataclass(frozen=True)
-class ModeChoice:
-    mode: str  # "fast" | "full"
-    reason: str
-
-
 def choose_mode(patches: Sequence[Patch], base_wheel_available: bool, requested: str) -> ModeChoice:
     """The build mode for this patch queue: `requested` is auto, fast or full (see README "Full build")."""
     if requested not in MODES:
@@ -541,24 +535,21 @@ def plan_full_build(manifest: Manifest, patched_tree_path: Path, options: FullBu
 
 
 # ------------------------------------------------------------------------------------------------------- build
-def full_build_provenance(
-    manifest: Manifest, patched: PatchedTree, plan: BuildPlan, mode_reason: str
-) -> dict[str, Any]:
-    """What went into a full build: the fast path's provenance document, with the build plan instead of a base wheel."""
-    from vllm_dflash.pipeline.wheel import provenance
+def full_build_info(plan: BuildPlan, mode_reason: str) -> BuildInfo:
+    """What controlled a full build: upstream's command and variables, without host paths (same inputs, same bytes)."""
+    from vllm_dflash import __version__ as tool_version
 
-    doc = provenance(manifest, patched, Path("-"), "", "full", mode_reason, ())
-    doc["build"].update(
-        {
-            "base_wheel": None,
-            "base_wheel_sha256": None,
-            "command": list(plan.command[1:]),  # without the interpreter path: no host details
-            # No host paths (toolkit, caches, pre-fetched sources): the same inputs give the same document.
-            "env": {k: v for k, v in sorted(plan.env.items()) if k != "CUDA_HOME" and not k.endswith("_DIR")},
-            "compiler_cache": plan.compiler_cache,
-        }
+    return BuildInfo(
+        tool="vllm-dflash",
+        tool_version=tool_version,
+        mode="full",
+        mode_reason=mode_reason,
+        base_wheel=None,
+        base_wheel_sha256=None,
+        command=tuple(plan.command[1:]),  # without the interpreter path
+        env={k: v for k, v in sorted(plan.env.items()) if k != "CUDA_HOME" and not k.endswith("_DIR")},
+        compiler_cache=plan.compiler_cache,
     )
-    return doc
 
 
 def build_full_wheel(
@@ -568,13 +559,8 @@ def build_full_wheel(
     options: FullBuildOptions | None = None,
     mode_reason: str = "full build requested",
 ) -> WheelResult:
-    """Compile the patched tree with vLLM's own build and move the wheel to `out_dir` (atomically).
-
-    Provenance (mode, reason, patches, the build environment) goes next to it as `<wheel>.provenance.json`.
-    """
-    from vllm_dflash.fetch import sha256_file
-    from vllm_dflash.pipeline.wheel import WheelResult
-
+    """Compile the patched tree with vLLM's own build, embed the provenance document in the wheel (as the fast path
+    does) and move the wheel to `out_dir` (atomically)."""
     opts = options or FullBuildOptions.from_env()
     tree = Path(patched.path)
     check_toolchain(opts, build_dir=tree).raise_if_missing()
@@ -592,20 +578,26 @@ def build_full_wheel(
     new = sorted(set(plan.dist_dir.glob("*.whl")) - before, key=lambda p: p.stat().st_mtime)
     if not new:
         raise ToolchainError(f"the build finished but wrote no wheel to {plan.dist_dir}", "see the build log above")
-    built = new[-1]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / f".{built.name}.tmp"
-    shutil.copyfile(built, tmp)
-    digest = sha256_file(tmp)
+    return embed_provenance(manifest, patched, new[-1], out_dir, full_build_info(plan, mode_reason))
+
+
+def embed_provenance(
+    manifest: Manifest, patched: PatchedTree, built: Path, out_dir: Path, info: BuildInfo
+) -> WheelResult:
+    """Copy a wheel upstream's build wrote into `out_dir` with our provenance document inside it."""
+    ensure_dir(out_dir, "output directory")
     final = out_dir / built.name
-    doc = full_build_provenance(manifest, patched, plan, mode_reason)
-    doc["wheel_sha256"] = digest
-    side = out_dir / f"{built.name}.provenance.json"
-    side_tmp = out_dir / f".{side.name}.tmp"
-    side_tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, final)
-    os.replace(side_tmp, side)
-    return WheelResult(path=final, sha256=digest, mode="full", base_wheel=None, changed=())  # type: ignore[arg-type]
+    doc = make_provenance(manifest, patched, info, ())
+    add_files(built, {prov.PATH: doc.dumps()}, final)
+    return WheelResult(
+        path=final,
+        sha256=sha256_file(final),
+        mode="full",
+        base_wheel=None,
+        changed=(),
+        provenance=doc,
+        platform=platform.machine(),
+    )
 
 
 def preflight(mode: str, build_dir: Path | None = None) -> None:

@@ -1,28 +1,31 @@
-"""`vllm-dflash image`: the container image for GPU nodes, built with docker, podman or buildah from the Dockerfile.
+"""Image stage: the container image for GPU nodes, built with docker, podman or buildah from the Dockerfile.
 
-The `fast` target installs the exact wheel from dist/ on upstream's release image; the `full` target compiles it
-in a CUDA builder stage. Either way the image is tagged `<repo>:<upstream version>-dflash.<N>` and carries OCI
-labels naming the upstream tag and commit, the patch queue and our version.
+The `fast` target installs the exact wheel on upstream's release image; its labels (version, upstream tag and
+commit, the patch queue) come from the provenance document inside that wheel, never from the checkout. The `full`
+target compiles in a CUDA builder stage, from the manifest and queue the build will use. The image is tagged
+`<repo>:<upstream version>-dflash.<N>`; with several platforms, each gets `<tag>-<platform>` and `<tag>` becomes an
+OCI image index (manifest list) over them.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
+import platform as host_platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vllm_dflash import proc
+from vllm_dflash import provenance as prov
 from vllm_dflash.errors import ContainerError, ToolchainError
-from vllm_dflash.manifest import Manifest, load_manifest
+from vllm_dflash.manifest import MACHINES, Manifest
+from vllm_dflash.series import Queues
 
 TARGETS = ("fast", "full")
 TOOLS = ("docker", "podman", "buildah")
@@ -30,6 +33,9 @@ DEFAULT_REPO = "vllm-dflash"
 DOCKERFILE = "Dockerfile"
 # Wheel platform tags an image for this machine can install (py3-none-any covers test wheels and pure builds).
 _MACHINE_TAGS = {"x86_64": ("x86_64", "any"), "aarch64": ("aarch64", "any"), "arm64": ("aarch64", "any")}
+# Container platform names of our machines, and the binfmt_misc entry that runs each on another host.
+OCI_PLATFORMS = {"x86_64": "linux/amd64", "aarch64": "linux/arm64"}
+_QEMU = {"x86_64": "qemu-x86_64", "aarch64": "qemu-aarch64"}
 # Label keys the Dockerfile writes; checked after every build so a stale Dockerfile cannot ship unlabelled images.
 LABEL_VERSION = "org.opencontainers.image.version"
 LABEL_SOURCE = "org.opencontainers.image.source"
@@ -56,6 +62,27 @@ class ImageOptions:
     layers: bool = False
     source_url: str | None = None
     dockerfile: Path | None = None  # default: <checkout>/Dockerfile
+    platform: str | None = None  # x86_64 | aarch64: build for this platform (None: the host's)
+
+
+@dataclass(frozen=True)
+class ImageLabels:
+    """What the image says it is: from the wheel's provenance (fast) or the build's inputs (full)."""
+
+    version: str
+    upstream_tag: str
+    upstream_commit: str
+    patches: tuple[str, ...]
+    source_url: str
+
+    def build_args(self) -> dict[str, str]:
+        return {
+            "DFLASH_VERSION": self.version,
+            "UPSTREAM_TAG": self.upstream_tag,
+            "UPSTREAM_COMMIT": self.upstream_commit,
+            "DFLASH_PATCHES": ",".join(self.patches),
+            "SOURCE_URL": self.source_url,
+        }
 
 
 @dataclass(frozen=True)
@@ -67,33 +94,43 @@ class ImageResult:
     wheel: Path | None = None
     seconds: float = 0.0
     labels: Mapping[str, str] = field(default_factory=dict)
+    platform: str = ""
 
 
-def image_tag(manifest: Manifest, repo: str = DEFAULT_REPO) -> str:
+def image_tag(version: str, repo: str = DEFAULT_REPO) -> str:
     """`<repo>:0.20.1-dflash.N`: the distribution version with '+' (not allowed in tags) turned into '-'."""
-    return f"{repo}:{manifest.version.replace('+', '-')}"
+    return f"{repo}:{version.replace('+', '-')}"
 
 
-def patch_names(manifest: Manifest) -> tuple[str, ...]:
-    """Patch file names in series order (what the image label lists)."""
-    path = manifest.series_path
-    if not path.is_file():
-        return ()
-    names = []
-    for line in path.read_text().splitlines():
-        entry = line.split("#", 1)[0].strip()
-        if entry:
-            names.append(entry.split()[0])
-    return tuple(names)
+def labels_from_wheel(wheel: Path, source_url: str) -> ImageLabels:
+    """The labels of a fast image: read from the provenance document the wheel carries."""
+    doc = prov.read_wheel(wheel)
+    return ImageLabels(
+        version=doc.version,
+        upstream_tag=doc.upstream.tag,
+        upstream_commit=doc.upstream.commit_pinned,
+        patches=doc.patch_names,
+        source_url=source_url,
+    )
+
+
+def labels_from_queue(manifest: Manifest, queues: Queues, source_url: str) -> ImageLabels:
+    """The labels of a full image: the inputs its builder stage will compile (the CUDA build: the DFlash queue)."""
+    return ImageLabels(
+        version=manifest.version,
+        upstream_tag=manifest.upstream.tag,
+        upstream_commit=manifest.upstream.commit,
+        patches=tuple(p.name for p in queues.dflash.patches),
+        source_url=source_url,
+    )
 
 
 def source_url(manifest: Manifest, override: str | None = None) -> str:
     """Where this distribution's source lives: option, dist.toml [distribution].source_url, git origin, upstream."""
     if override:
         return override
-    dist = manifest.raw.get("distribution", {})
-    if isinstance(dist, Mapping) and isinstance(dist.get("source_url"), str):
-        return str(dist["source_url"])
+    if manifest.source_url:
+        return manifest.source_url
     if (manifest.root / ".git").exists() and shutil.which("git"):
         res = proc.call(
             "git", "-C", manifest.root, "remote", "get-url", "origin", capture=True, check=False, quiet=True
@@ -103,27 +140,43 @@ def source_url(manifest: Manifest, override: str | None = None) -> str:
     return manifest.upstream.git_url
 
 
-def find_wheel(manifest: Manifest, machine: str | None = None) -> Path:
-    """The one wheel of this exact distribution version for this machine in dist/; refuse none or several."""
-    machine = machine or platform.machine()
-    dist = manifest.dist_dir
-    prefix = f"vllm-{manifest.version}-"
+def find_wheel(dist: Path, version: str, machine: str | None = None) -> Path:
+    """The one wheel of this exact distribution version for `machine` in `dist`; refuse none or several."""
+    machine = machine or host_platform.machine()
+    prefix = f"vllm-{version}-"
     candidates = sorted(dist.glob(f"{prefix}*.whl")) if dist.is_dir() else []
     arch_ok = _MACHINE_TAGS.get(machine, (machine, "any"))
     fitting = [w for w in candidates if w.name.removesuffix(".whl").rsplit("-", 1)[-1].endswith(arch_ok)]
     if not fitting:
         others = sorted(p.name for p in dist.glob("vllm-*.whl")) if dist.is_dir() else []
-        seen = f" (dist/ has {', '.join(others)})" if others else ""
+        seen = f" ({dist} has {', '.join(others)})" if others else ""
         raise ContainerError(
-            f"no wheel of vllm {manifest.version} for {machine} in {dist}{seen}",
+            f"no wheel of vllm {version} for {machine} in {dist}{seen}",
             "build it first with `vllm-dflash build` (or pass --wheel PATH)",
         )
     if len(fitting) > 1:
         raise ContainerError(
-            f"{len(fitting)} wheels of vllm {manifest.version} in {dist}: {', '.join(w.name for w in fitting)}",
+            f"{len(fitting)} wheels of vllm {version} in {dist}: {', '.join(w.name for w in fitting)}",
             "remove the stale one or pass --wheel PATH",
         )
     return fitting[0]
+
+
+def can_build_for(machine: str) -> str | None:
+    """None when this host can run RUN steps for `machine`; otherwise why not (no emulation registered)."""
+    host = host_platform.machine()
+    if _MACHINE_TAGS.get(host, (host,))[0] == machine:
+        return None
+    entry = Path("/proc/sys/fs/binfmt_misc") / _QEMU[machine]
+    try:
+        if entry.is_file() and entry.read_text().startswith("enabled"):
+            return None
+    except OSError:
+        pass
+    return (
+        f"this {host} host cannot run {machine} programs: no {_QEMU[machine]} binfmt_misc handler is registered "
+        "(install qemu-user-static and binfmt-support, or build on a machine of that platform)"
+    )
 
 
 def _daemon_answers(tool: str) -> bool:
@@ -163,14 +216,8 @@ def tool_prefix(tool: str, options: ImageOptions) -> list[str]:
     return args
 
 
-def build_args(manifest: Manifest, options: ImageOptions, wheel: Path | None) -> dict[str, str]:
-    args = {
-        "DFLASH_VERSION": manifest.version,
-        "UPSTREAM_TAG": manifest.upstream.tag,
-        "UPSTREAM_COMMIT": manifest.upstream.commit,
-        "DFLASH_PATCHES": ",".join(patch_names(manifest)),
-        "SOURCE_URL": source_url(manifest, options.source_url),
-    }
+def build_args(labels: ImageLabels, options: ImageOptions, wheel: Path | None) -> dict[str, str]:
+    args = labels.build_args()
     if wheel is not None:
         args["WHEEL"] = wheel.name
     if options.base_image:
@@ -191,6 +238,8 @@ def build_command(
             cmd += ["--isolation", options.isolation]
     if options.network:
         cmd += ["--network", options.network]
+    if options.platform is not None:
+        cmd += ["--platform", OCI_PLATFORMS[options.platform]]
     cmd += ["-f", str(dockerfile), "--target", options.target, "-t", tag, "--iidfile", str(iidfile)]
     for key, value in sorted(args.items()):
         cmd += ["--build-arg", f"{key}={value}"]
@@ -231,31 +280,37 @@ def _stage_context(wheel: Path, where: Path) -> Path:
     return ctx
 
 
-def build_image(manifest: Manifest, wheel: Path | None, options: ImageOptions) -> ImageResult:
-    """Build the image for `options.target`, tag it and return its digest. `wheel` is required for `fast`."""
+def build_image(labels: ImageLabels, dockerfile: Path, wheel: Path | None, options: ImageOptions) -> ImageResult:
+    """Build the image for `options.target`, tag it and return its ID. `wheel` is required for `fast`."""
     if options.target not in TARGETS:
         raise ContainerError(f"unknown image target '{options.target}'", f"use one of {', '.join(TARGETS)}")
-    dockerfile = (options.dockerfile or manifest.root / DOCKERFILE).resolve()
+    dockerfile = dockerfile.resolve()
     if not dockerfile.is_file():
         raise ContainerError(f"{dockerfile} does not exist", "run from a vllm-dflash checkout or pass --root")
     if options.target == "fast":
         if wheel is None or not wheel.is_file():
             raise ContainerError(f"wheel {wheel} does not exist", "build it with `vllm-dflash build` first")
-        if not wheel.name.startswith(f"vllm-{manifest.version}-"):
+        if not wheel.name.startswith(f"vllm-{labels.version}-"):
             raise ContainerError(
-                f"{wheel.name} is not a wheel of vllm {manifest.version} (VERSION)",
-                "rebuild the wheel with `vllm-dflash build` or fix VERSION",
+                f"{wheel.name} is not a wheel of vllm {labels.version} (its provenance says so)",
+                "rebuild the wheel with `vllm-dflash build`",
             )
+    if options.platform is not None:
+        why_not = can_build_for(options.platform)
+        if why_not is not None:
+            raise ContainerError(f"cannot build the {options.platform} image: {why_not}", "")
     tool = pick_tool(options.tool)
-    tag = image_tag(manifest, options.repo)
-    args = build_args(manifest, options, wheel if options.target == "fast" else None)
+    tag = image_tag(labels.version, options.repo)
+    if options.platform is not None and options.platform != host_platform.machine():
+        tag = f"{tag}-{options.platform}"
+    args = build_args(labels, options, wheel if options.target == "fast" else None)
     from vllm_dflash.fetch import cache_dir
 
     scratch = cache_dir() / "image-build"
     scratch.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="build-", dir=scratch))
     try:
-        context = _stage_context(wheel, work) if options.target == "fast" and wheel else manifest.root
+        context = _stage_context(wheel, work) if options.target == "fast" and wheel else dockerfile.parent
         iidfile = work / "iid"
         cmd = build_command(tool, options, dockerfile, context, tag, iidfile, args)
         env = {"DOCKER_BUILDKIT": "1"} if tool == "docker" else {}  # RUN --mount needs BuildKit
@@ -270,40 +325,40 @@ def build_image(manifest: Manifest, wheel: Path | None, options: ImageOptions) -
         raise ContainerError(f"{tool} built {tag} but reported no image id", "check the tool's version (--iidfile)")
     if not digest.startswith("sha256:"):
         digest = f"sha256:{digest}"
-    labels = image_labels(inspect_image(tool, options, tag))
-    missing = [k for k in REQUIRED_LABELS if k not in labels]
-    if missing or labels.get(LABEL_VERSION) != manifest.version:
+    got = image_labels(inspect_image(tool, options, tag))
+    missing = [k for k in REQUIRED_LABELS if k not in got]
+    if missing or got.get(LABEL_VERSION) != labels.version:
         raise ContainerError(
-            f"image {tag} lacks labels {', '.join(missing) or LABEL_VERSION + '=' + manifest.version}",
+            f"image {tag} lacks labels {', '.join(missing) or LABEL_VERSION + '=' + labels.version}",
             f"the Dockerfile at {dockerfile} is not this version's; restore it",
         )
     return ImageResult(
-        tag=tag, digest=digest, tool=tool, target=options.target, wheel=wheel, seconds=seconds, labels=labels
+        tag=tag,
+        digest=digest,
+        tool=tool,
+        target=options.target,
+        wheel=wheel,
+        seconds=seconds,
+        labels=got,
+        platform=options.platform or host_platform.machine(),
     )
 
 
-def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "image",
-        help="build the container image from the wheel in dist/ and tag it <repo>:<version>",
-        description=__doc__,
-    )
-    p.add_argument(
-        "--target", choices=TARGETS, default="fast", help="fast: upstream image + wheel (default); full: compile"
-    )
-    p.add_argument("--tool", choices=TOOLS, default=None, help="container tool (default: docker, podman, buildah)")
-    p.add_argument("--base-image", default=None, help="fast target: base image (default: pinned vllm/vllm-openai)")
-    p.add_argument("--tag", dest="repo", default=DEFAULT_REPO, help=f"image repository (default: {DEFAULT_REPO})")
-    p.add_argument("--wheel", type=Path, default=None, help="the wheel to install (default: the one in dist/)")
-    p.add_argument("--build-arg", action="append", default=[], metavar="KEY=VALUE", help="extra build argument")
-    p.add_argument("--storage-root", type=Path, default=None, help="podman/buildah: private image storage directory")
-    p.add_argument("--storage-driver", default=None, help="podman/buildah: storage driver (e.g. vfs)")
-    p.add_argument("--isolation", default=None, help="podman/buildah: build isolation (e.g. chroot)")
-    p.add_argument("--network", default=None, help="RUN steps' network, e.g. none (not with chroot)")
-    p.set_defaults(func=run)
+def image_index(tool: str, options: ImageOptions, tag: str, images: list[ImageResult]) -> None:
+    """Make `tag` an OCI image index (manifest list) over per-platform images (podman/buildah/docker)."""
+    prefix = tool_prefix(tool, options)
+    if tool == "docker":
+        raise ContainerError(
+            "docker can make a manifest list only of images pushed to a registry",
+            "use --tool podman or buildah, or push the per-platform tags and run `docker manifest create`",
+        )
+    proc.call(*prefix, "manifest", "rm", tag, capture=True, check=False, quiet=True)
+    proc.call(*prefix, "manifest", "create", tag, error=ContainerError)
+    for img in images:
+        proc.call(*prefix, "manifest", "add", tag, img.digest, error=ContainerError)
 
 
-def _parse_build_args(items: Sequence[str]) -> dict[str, str]:
+def parse_build_args(items: list[str]) -> dict[str, str]:
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -313,23 +368,12 @@ def _parse_build_args(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
-    manifest = load_manifest(Path(args.root) if args.root else None)
-    wheel: Path | None = None
-    if args.target == "fast":
-        wheel = args.wheel.resolve() if args.wheel is not None else find_wheel(manifest)
-    options = ImageOptions(
-        target=args.target,
-        tool=args.tool,
-        base_image=args.base_image,
-        repo=args.repo,
-        storage_root=args.storage_root,
-        storage_driver=args.storage_driver,
-        isolation=args.isolation,
-        network=args.network,
-        build_args=_parse_build_args(args.build_arg),
-    )
-    result = build_image(manifest, wheel, options)
-    print(f"built {result.tag} with {result.tool} in {result.seconds:.0f} s", file=sys.stderr)
-    print(f"{result.tag}\ndigest={result.digest}")
-    return 0
+def machines(spec: str | None) -> tuple[str, ...]:
+    """--platform: one of our machines, 'all', or None (the host)."""
+    if spec is None:
+        return (host_platform.machine(),)
+    if spec == "all":
+        return MACHINES
+    if spec not in MACHINES:
+        raise ContainerError(f"unknown platform '{spec}'", f"use one of {', '.join(MACHINES)} or 'all'")
+    return (spec,)

@@ -7,25 +7,23 @@ hash-pinned sdist (whose `vllm/_version.py` must name the pinned commit) and com
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import os
 import re
 import shutil
 import tarfile
-import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vllm_dflash import proc
 from vllm_dflash.errors import DirtyTreeError, ManifestError, NetworkError, PinMismatchError
 from vllm_dflash.fetch import cache_dir, fetch
-from vllm_dflash.manifest import Artifact, Manifest, load_manifest
+from vllm_dflash.manifest import Artifact, Manifest
+from vllm_dflash.paths import ensure_dir, sweep_stale, temp_sibling
+from vllm_dflash.pipeline.model import COMMIT_ID, SOURCE_KINDS, SourceTree, commits_match
 
-SOURCE_KINDS = ("auto", "git", "sdist")
 # Tag that marks the upstream-base commit inside every work tree we prepare (the fork branch starts there).
 BASE_TAG = "dflash-base"
 # Fixed identity and date for the commits we create: the same sdist always gives the same base SHA.
@@ -39,18 +37,8 @@ FIXED_DATE = "2000-01-01T00:00:00+0000"
 # Give up on an unreachable remote quickly (DNS failures are instant; a black-holed host is not).
 GIT_REMOTE_TIMEOUT_S = 20
 _GIT_NET_ENV = {"GIT_TERMINAL_PROMPT": "0", "GIT_HTTP_LOW_SPEED_LIMIT": "1000", "GIT_HTTP_LOW_SPEED_TIME": "15"}
-_COMMIT_ID = re.compile(r"""^__commit_id__\s*=\s*commit_id\s*=\s*['"]g?([0-9a-f]{7,40})['"]""", re.MULTILINE)
-
-
-@dataclass(frozen=True)
-class SourceTree:
-    """A prepared upstream work tree. `base` is the local SHA of its upstream-base commit (HEAD after prepare)."""
-
-    path: Path
-    kind: str  # "git" | "sdist"
-    version: str
-    commit: str  # upstream commit: the full SHA from git, or the abbreviated id recorded by the sdist
-    base: str
+# Git's own markers of an operation that was under way when a process died.
+_IN_PROGRESS = ("rebase-apply", "rebase-merge", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD")
 
 
 def _git_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -58,14 +46,8 @@ def _git_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**env, **(extra or {})}
 
 
-def commits_match(a: str, b: str) -> bool:
-    """True when two commit ids (full or abbreviated, at least 7 hex digits) name the same commit."""
-    n = min(len(a), len(b))
-    return n >= 7 and a[:n].lower() == b[:n].lower()
-
-
 def _version_py_commit(text: str, where: str) -> str:
-    m = _COMMIT_ID.search(text)
+    m = COMMIT_ID.search(text)
     if not m:
         raise PinMismatchError(
             f"{where} records no commit id (__commit_id__)", "this is not an upstream release sdist; check dist.toml"
@@ -106,10 +88,51 @@ def check_clean(path: Path) -> None:
         )
 
 
-def _checkout_base(path: Path, kind: str, version: str, commit: str) -> SourceTree:
-    """Verify an existing prepared tree, make sure it is clean and put HEAD back on its base commit."""
+def interrupted_state(path: Path) -> list[str]:
+    """What a killed git process left in `path`: an operation in progress, or a lock file."""
+    git_dir = path / ".git"
+    found = [name for name in _IN_PROGRESS if (git_dir / name).exists()]
+    found += [str(p.relative_to(git_dir)) for p in git_dir.glob("*.lock")]
+    return found
+
+
+def _reset_owned(path: Path) -> None:
+    """Put a cached tree of ours back to a clean state after an interrupted run, saying what was found.
+
+    Only for trees under our cache (ours by construction, never a user's work): whatever a killed `git am`, apply or
+    checkout left there is discarded. The caller holds `trees_lock`, so no live process of ours is using the tree.
+    """
+    state = interrupted_state(path)
+    dirty = proc.call("git", "status", "--porcelain", cwd=path, capture=True, check=False, quiet=True)
+    if not state and not (dirty.stdout or "").strip() and dirty.returncode == 0:
+        return
+    what = ", ".join(state) if state else "uncommitted changes"
+    print(f"resetting the cached tree {path} (ours; an earlier run was interrupted: {what})", flush=True)
+    git_dir = path / ".git"
+    for lock in git_dir.glob("*.lock"):
+        lock.unlink(missing_ok=True)
+    if (git_dir / "rebase-apply").exists():
+        proc.call("git", "am", "--abort", cwd=path, capture=True, check=False)
+        shutil.rmtree(git_dir / "rebase-apply", ignore_errors=True)
+    for name in ("rebase-merge",):
+        shutil.rmtree(git_dir / name, ignore_errors=True)
+    for name in ("MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD"):
+        (git_dir / name).unlink(missing_ok=True)
+    proc.call("git", "reset", "-q", "--hard", cwd=path, error=DirtyTreeError, hint=f"delete {path} and run again")
+    proc.call("git", "clean", "-qfd", cwd=path, error=DirtyTreeError, hint=f"delete {path} and run again")
+
+
+def _checkout_base(path: Path, kind: str, version: str, commit: str, owned: bool) -> SourceTree:
+    """Verify an existing prepared tree, make sure it is clean and put HEAD back on its base commit.
+
+    A tree of ours (`owned`) that an interrupted run left mid-operation or dirty is reset, loudly; anybody else's
+    tree is refused with git's own account of its state.
+    """
     import git
 
+    if owned:
+        for lock in (path / ".git").glob("*.lock"):  # a lock left by a killed git blocks even rev-parse's peers
+            lock.unlink(missing_ok=True)
     try:
         repo = git.Repo(path)
         base = repo.git.rev_parse(f"{BASE_TAG}^{{commit}}")
@@ -118,7 +141,16 @@ def _checkout_base(path: Path, kind: str, version: str, commit: str) -> SourceTr
             f"{path} exists but is not a tree prepared by vllm-dflash (no '{BASE_TAG}' tag)",
             f"delete {path} or choose another --dest",
         ) from None
-    check_clean(path)
+    if owned:
+        _reset_owned(path)
+    else:
+        state = interrupted_state(path)
+        if state:
+            raise DirtyTreeError(
+                f"work tree {path} has a git operation in progress ({', '.join(state)})",
+                f"finish or abort it there (e.g. `git -C {path} am --abort`), or delete {path}",
+            )
+        check_clean(path)
     proc.echo(["git", "checkout", "--detach", base], path)
     repo.git.checkout("--detach", base)
     return SourceTree(path=path, kind=kind, version=version, commit=commit, base=base)
@@ -132,17 +164,20 @@ def _safe_extract(sdist: Path, dest: Path) -> None:
         if len(tops) != 1:
             raise PinMismatchError(f"{sdist.name} has {len(tops)} top-level entries, expected one", "check dist.toml")
         top = tops.pop()
-        stage = dest.parent / f".{dest.name}.unpack"
+        stage = temp_sibling(dest, ".unpack")
         shutil.rmtree(stage, ignore_errors=True)
-        tar.extractall(stage, filter="data")
-    (stage / top).rename(dest)
-    shutil.rmtree(stage, ignore_errors=True)
+        try:
+            tar.extractall(stage, filter="data")
+            (stage / top).rename(dest)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
 
 
-def release_tree(version: str, sdist: Artifact, commit: str | None, dest: Path) -> SourceTree:
+def release_tree(version: str, sdist: Artifact, commit: str | None, dest: Path, owned: bool = True) -> SourceTree:
     """Any release's hash-pinned sdist → verified `_version.py` commit → unpacked → `git init` + one commit.
 
-    An existing clean tree at `dest` prepared from the same release is reused (HEAD reset to its base commit).
+    An existing clean tree at `dest` prepared from the same release is reused (HEAD reset to its base commit); an
+    `owned` tree (ours, in the cache) that an interrupted run left dirty is reset first.
     """
     path = fetch(sdist)
     recorded = sdist_commit(path)
@@ -151,8 +186,10 @@ def release_tree(version: str, sdist: Artifact, commit: str | None, dest: Path) 
             f"{sdist.filename} records commit {recorded}, but the pin is {commit}",
             "the sdist is another build of the release; fix the pin or the sdist entry in dist.toml",
         )
+    ensure_dir(dest.parent)
+    sweep_stale(dest.parent)  # half-unpacked trees of killed runs: never trusted, removed here
     if dest.exists():
-        tree = _checkout_base(dest, "sdist", version, recorded)
+        tree = _checkout_base(dest, "sdist", version, recorded, owned)
         import git
 
         msg = str(git.Repo(dest).commit(tree.base).message)
@@ -165,8 +202,9 @@ def release_tree(version: str, sdist: Artifact, commit: str | None, dest: Path) 
 
     import git
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    tmp = temp_sibling(dest)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     try:
         work = tmp / "tree"
         from rich.console import Console
@@ -240,13 +278,15 @@ def _mirror(manifest: Manifest) -> Any:
         path.mkdir(parents=True, exist_ok=True)
         proc.echo(["git", "init", "--bare", "-q", path])
         git.Repo.init(path, bare=True)
+    for lock in path.glob("*.lock"):  # left by a killed fetch; callers hold trees_lock, so nobody else is using it
+        lock.unlink(missing_ok=True)
     repo = git.Repo(path)
     _git_remote(repo, "ls-remote", "--exit-code", up.git_url, f"refs/tags/{up.tag}")
     _git_remote(repo, "fetch", "--depth=1", "--no-tags", up.git_url, f"+refs/tags/{up.tag}:refs/tags/{up.tag}")
     return repo
 
 
-def git_tree(manifest: Manifest, dest: Path) -> SourceTree:
+def git_tree(manifest: Manifest, dest: Path, owned: bool = True) -> SourceTree:
     """Fetch the pinned tag into the cache mirror, verify it is the pinned commit, check it out at `dest`."""
     import git
 
@@ -258,13 +298,16 @@ def git_tree(manifest: Manifest, dest: Path) -> SourceTree:
             f"tag {up.tag} at {up.git_url} is commit {sha[:12]}, but dist.toml pins {up.commit}",
             "the tag moved or the pin is wrong; check upstream.commit in dist.toml",
         )
+    ensure_dir(dest.parent)
+    sweep_stale(dest.parent)
     if dest.exists():
-        tree = _checkout_base(dest, "git", up.version, sha)
+        tree = _checkout_base(dest, "git", up.version, sha, owned)
         if tree.base != sha:
             raise PinMismatchError(f"{dest} is based on {tree.base[:12]}, not {sha[:12]}", f"delete {dest}")
         return tree
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    tmp = temp_sibling(dest)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     try:
         work = tmp / "tree"
         proc.echo(["git", "clone", "--no-checkout", mirror.git_dir, work])
@@ -305,13 +348,19 @@ def default_dest(manifest: Manifest, kind: str) -> Path:
     return cache_dir() / "trees" / f"vllm-{manifest.upstream.version}-{manifest.upstream.commit[:9]}-{kind}"
 
 
-def prepare_source(manifest: Manifest, kind: str = "auto", dest: Path | None = None) -> SourceTree:
-    """The source stage: a clean work tree at the pinned commit, HEAD on the upstream base."""
+def prepare_source(
+    manifest: Manifest, kind: str = "auto", dest: Path | None = None, owned: bool | None = None
+) -> SourceTree:
+    """The source stage: a clean work tree at the pinned commit, HEAD on the upstream base.
+
+    `owned`: the tree at `dest` is ours to reset after an interrupted run (default: only the cache's own trees).
+    """
     if kind not in SOURCE_KINDS:
         raise ManifestError(f"unknown source kind '{kind}'", f"use one of {', '.join(SOURCE_KINDS)}")
+    ours = dest is None if owned is None else owned
     if kind in ("git", "auto"):
         try:
-            return git_tree(manifest, dest or default_dest(manifest, "git"))
+            return git_tree(manifest, dest or default_dest(manifest, "git"), ours)
         except NetworkError as exc:
             if kind == "git":
                 raise
@@ -321,7 +370,7 @@ def prepare_source(manifest: Manifest, kind: str = "auto", dest: Path | None = N
                 flush=True,
             )
     up = manifest.upstream
-    return release_tree(up.version, manifest.sdist, up.commit, dest or default_dest(manifest, "sdist"))
+    return release_tree(up.version, manifest.sdist, up.commit, dest or default_dest(manifest, "sdist"), ours)
 
 
 def tree_at(manifest: Manifest, path: Path) -> SourceTree:
@@ -350,28 +399,8 @@ def find_prepared(manifest: Manifest) -> SourceTree | None:
     return None
 
 
-def add_source_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--source",
-        choices=SOURCE_KINDS,
-        default="auto",
-        help="where the upstream source comes from: git (pinned tag), sdist (hash-pinned PyPI sdist), "
-        "auto (git, falling back to the sdist when the remote is unreachable; default)",
-    )
-
-
-def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "source", help="check out the pinned upstream vLLM source as a git work tree", description=__doc__
-    )
-    add_source_argument(p)
-    p.add_argument("--dest", type=Path, default=None, help="work tree location (default: in the cache directory)")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    manifest = load_manifest(Path(args.root) if args.root else None)
-    with trees_lock():
-        tree = prepare_source(manifest, args.source, args.dest)
-    print(f"{tree.path}\nkind={tree.kind} version={tree.version} commit={tree.commit} base={tree.base}")
-    return 0
+def reopen(manifest: Manifest, path: Path, owned: bool) -> SourceTree:
+    """A tree `prepare_source` made earlier, checked (reset when it is ours and an earlier run was interrupted) and
+    back on its base commit."""
+    tree = tree_at(manifest, path)
+    return _checkout_base(path, tree.kind, tree.version, tree.commit, owned)

@@ -8,7 +8,6 @@ OpenAI-compatible API, and read the drafter's acceptance from the difference of 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime as dt
 import gzip
@@ -18,26 +17,25 @@ import json
 import os
 import sys
 import time
-import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vllm_dflash import __version__
 from vllm_dflash import report as reports
 from vllm_dflash.errors import ManifestError, MeasurementError
-from vllm_dflash.manifest import load_manifest
+from vllm_dflash.manifest import Profile
 from vllm_dflash.report import canonical_json
 from vllm_dflash.validate import metrics
 from vllm_dflash.validate.metrics import Acceptance
 from vllm_dflash.validate.server import (
-    DEFAULT_HEALTH_TIMEOUT_S,
     ContainerOptions,
     LaunchSpec,
     RunningServer,
     launch_container,
+    launch_spec,
     launch_subprocess,
     use_endpoint,
 )
@@ -45,112 +43,6 @@ from vllm_dflash.validate.server import (
 PROMPTS_DIR = Path(__file__).parent / "prompts"
 BUILTIN_SETS = ("coding", "math", "chat")
 EXIT_PASS, EXIT_FAIL, EXIT_UNMEASURED = 0, 1, 2
-
-# ---------------------------------------------------------------------------------------------------------------
-# Profiles
-
-
-@dataclass(frozen=True)
-class Profile:
-    """One validation profile ([profiles.NAME] in dist.toml or a --profile-file)."""
-
-    name: str
-    target: str
-    method: str
-    num_speculative_tokens: int
-    thinking: bool  # stated per profile: Qwen3 thinking mode lowers acceptance, so it is pinned, never implied
-    drafter: str | None = None
-    description: str = ""
-    served_model_name: str | None = None
-    speculative_extra: Mapping[str, Any] = field(default_factory=dict)
-    serve_args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
-    prompts: str = "mixed"
-    num_prompts: int | None = None
-    max_tokens: int = 256
-    temperature: float = 0.0
-    concurrency: int = 8
-    ignore_eos: bool = False
-    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    min_acceptance_length: float = 2.0  # the gate: AL must exceed this
-    expected_acceptance_length: float | None = None  # reference AL (authors' / public reports)
-    expected_tolerance: float = 0.95  # pass when AL >= tolerance * expected
-    position_floors: tuple[float, ...] = ()  # optional minimum acceptance rate per draft position
-    baseline: bool = False  # also run without speculation (launch modes) for speedup and lossless match
-    min_match_rate: float | None = None  # optional gate on the lossless match rate (needs a baseline)
-    health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
-    definition: Mapping[str, Any] = field(default_factory=dict)  # the table as written, for the digest
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.target
-
-    @property
-    def speculative_config(self) -> dict[str, Any]:
-        cfg: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
-        if self.drafter:
-            cfg["model"] = self.drafter
-        cfg.update(self.speculative_extra)
-        return cfg
-
-    @property
-    def template_kwargs(self) -> dict[str, Any]:
-        return {"enable_thinking": self.thinking, **self.chat_template_kwargs}
-
-    def launch_spec(self, speculative: bool = True) -> LaunchSpec:
-        return LaunchSpec(
-            model=self.target,
-            served_model_name=self.model_name,
-            speculative_config=self.speculative_config if speculative else None,
-            serve_args=self.serve_args,
-            env=self.env,
-            health_timeout_s=self.health_timeout_s,
-        )
-
-
-def profile_digest(definition: Mapping[str, Any]) -> str:
-    """sha256 of the profile table as written: publish checks the report used the manifest's own definition."""
-    return hashlib.sha256(canonical_json(dict(definition))).hexdigest()
-
-
-_TUPLE_FIELDS = {"serve_args", "position_floors"}
-
-
-def parse_profile(name: str, table: Mapping[str, Any], where: str) -> Profile:
-    known = set(Profile.__dataclass_fields__) - {"name", "definition"}
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise ManifestError(f"{where}: profile '{name}' has unknown keys {unknown}", f"allowed: {sorted(known)}")
-    for key in ("target", "method", "num_speculative_tokens", "thinking"):
-        if key not in table:
-            raise ManifestError(f"{where}: profile '{name}' lacks '{key}'", f"add {key} = ... to [profiles.{name}]")
-    if table["method"] == "dflash" and not table.get("drafter"):
-        raise ManifestError(f"{where}: dflash profile '{name}' lacks 'drafter'", "name the drafter model")
-    values: dict[str, Any] = {k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in table.items()}
-    try:
-        profile = Profile(name=name, definition=dict(table), **values)
-    except TypeError as exc:
-        raise ManifestError(f"{where}: profile '{name}': {exc}", "check the value types") from None
-    if not isinstance(profile.thinking, bool):
-        raise ManifestError(f"{where}: profile '{name}': thinking must be true or false", "state the thinking mode")
-    if profile.concurrency < 1 or profile.max_tokens < 1:
-        raise ManifestError(f"{where}: profile '{name}': concurrency and max_tokens must be >= 1", "fix the profile")
-    return profile
-
-
-def load_profiles(root: Path | None, profile_file: Path | None = None) -> dict[str, Profile]:
-    """Profiles of the manifest, or of a TOML file holding [profiles.NAME] tables when given."""
-    if profile_file is not None:
-        try:
-            data = tomllib.loads(profile_file.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ManifestError(f"cannot read profiles from {profile_file}: {exc}", "pass a TOML file") from None
-        tables, where = data.get("profiles", {}), str(profile_file)
-    else:
-        manifest = load_manifest(root)
-        tables, where = manifest.profiles, str(manifest.path)
-    return {name: parse_profile(name, table, where) for name, table in tables.items()}
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Prompts
@@ -426,7 +318,7 @@ class ValidationResult:
 
 @contextlib.contextmanager
 def _server(choice: ServerChoice, profile: Profile, speculative: bool) -> Iterator[RunningServer]:
-    spec = profile.launch_spec(speculative)
+    spec = launch_spec(profile, speculative)
     if choice.health_timeout_s is not None:
         spec = LaunchSpec(**{**spec.__dict__, "health_timeout_s": choice.health_timeout_s})
     if choice.endpoint:
@@ -465,7 +357,7 @@ def validate(
     body: dict[str, Any] = {
         "schema": reports.SCHEMA,
         "tool": {"name": "vllm-dflash", "version": __version__},
-        "profile": {"name": profile.name, "sha256": profile_digest(profile.definition), **profile.definition},
+        "profile": {"name": profile.name, "sha256": profile.digest, **profile.definition},
         "prompts": {"set": prompt_set or profile.prompts, "count": len(prompts), "sha256": prompts_digest(prompts)},
         "sampling": {
             "temperature": profile.temperature,
@@ -616,76 +508,3 @@ def _count(value: Any) -> Any:
 
 def _fmt(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else "-" if value is None else str(value)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# CLI
-
-
-def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "validate",
-        help="acceptance smoke test: serve a profile, measure the drafter's acceptance length, write a report",
-        description="Exit 0: all gates passed; 1: a gate failed; 2: acceptance could not be measured.",
-    )
-    p.add_argument("--profile", required=True, help="profile name ([profiles.NAME] in dist.toml)")
-    p.add_argument("--profile-file", type=Path, default=None, help="TOML with [profiles.NAME] tables instead")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--endpoint", default=None, help="use a running server at this URL (never stopped)")
-    where.add_argument("--image", default=None, help="launch this container image (docker run --gpus all ...)")
-    where.add_argument(
-        "--python",
-        type=Path,
-        default=None,
-        help="launch `vllm serve` from this Python's environment (default: the one running vllm-dflash)",
-    )
-    p.add_argument("--wheel", type=Path, default=None, help="the vLLM wheel being validated (named in the report)")
-    p.add_argument("--container-tool", default="docker", help="docker or podman (default: docker)")
-    p.add_argument("--gpus", default="all", help="value of --gpus for the container (empty: none)")
-    p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None, help="also run without spec")
-    p.add_argument("--baseline-endpoint", default=None, help="with --endpoint: a no-speculation server to compare")
-    p.add_argument("--prompts", default=None, help="override the profile's prompt set (name or JSONL path)")
-    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--health-timeout", type=float, default=None, help="seconds to wait for /health")
-    p.add_argument("--report", type=Path, default=None, help="report path (default: validation-PROFILE.json)")
-    p.add_argument("--log-dir", type=Path, default=None, help="where the launched server's log goes")
-    p.add_argument("--quiet", action="store_true", help="no table and progress, only the verdict line")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    root = Path(args.root) if args.root else None
-    profiles = load_profiles(root, args.profile_file)
-    if args.profile not in profiles:
-        raise ManifestError(f"no profile '{args.profile}'", f"choose one of {sorted(profiles)}")
-    profile = profiles[args.profile]
-    if args.wheel is not None and not args.wheel.is_file():
-        raise MeasurementError(f"--wheel {args.wheel} does not exist", "pass the wheel file the server runs")
-    prompts = load_prompts(args.prompts or profile.prompts, args.num_prompts or profile.num_prompts)
-    choice = ServerChoice(
-        endpoint=args.endpoint,
-        python=args.python,
-        image=args.image,
-        wheel=args.wheel,
-        container_tool=args.container_tool,
-        gpus=args.gpus,
-        baseline_endpoint=args.baseline_endpoint,
-        health_timeout_s=args.health_timeout,
-        log_dir=args.log_dir,
-    )
-    if args.endpoint and args.baseline and not args.baseline_endpoint:
-        print("warning: --baseline with --endpoint needs --baseline-endpoint URL; no baseline run", file=sys.stderr)
-    report_path = args.report or Path(f"validation-{profile.name}.json")
-    try:
-        result = validate(
-            profile, choice, report_path, prompts, args.baseline, show=not args.quiet, prompt_set=args.prompts
-        )
-    except MeasurementError:
-        print(f"report: {report_path} (verdict: error)", file=sys.stderr)
-        raise
-    acc = result.report["acceptance"]
-    print(
-        f"verdict: {result.report['verdict']} (AL {acc['mean_acceptance_length']:.3f}); report: {result.report_path}",
-        flush=True,
-    )
-    return result.exit_code

@@ -1,27 +1,18 @@
-"""`vllm-dflash` command line. Each stage module registers its own sub-commands; this file only dispatches."""
+"""`vllm-dflash` command line: the only place that knows argparse. Each command module registers its sub-commands
+and turns options into the typed options of one stage function; the stages know nothing of the command line."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 
 from vllm_dflash import __version__
+from vllm_dflash.cli import build, conformance, image, publish, upstream, validate
 from vllm_dflash.errors import DflashError
 
-# Modules that define `register(subparsers)`; each sub-command sets `func(args) -> int` via set_defaults.
-COMMAND_MODULES = (
-    "vllm_dflash.pipeline.pipeline",  # build
-    "vllm_dflash.pipeline.source",  # source
-    "vllm_dflash.pipeline.patches",  # patches status
-    "vllm_dflash.pipeline.wheel",  # wheel
-    "vllm_dflash.pipeline.image",  # image
-    "vllm_dflash.validate.smoke",  # validate
-    "vllm_dflash.conformance.cli",  # conformance
-    "vllm_dflash.publish",  # publish
-    "vllm_dflash.upstream",  # upstream, rebase
-)
+# Sub-command groups in the order `--help` lists them.
+GROUPS = (build, image, validate, conformance, publish, upstream)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--root", type=str, default=None, help="checkout holding dist.toml (default: found from cwd)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    for group in GROUPS:
+        group.register(sub)
     return parser
 
 
@@ -47,8 +38,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(exc.one_line(), file=sys.stderr)
         return exc.return_code
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        print("error: interrupted -- nothing half-written was kept; run the command again", file=sys.stderr)
         return 130
+    except OSError as exc:  # an I/O fault no stage turned into its own error: still one line, never a traceback
+        from vllm_dflash.paths import storage_error
+
+        err = storage_error(exc, exc.filename or "a file", "use")
+        print(err.one_line(), file=sys.stderr)
+        return err.return_code
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`vllm-dflash conformance`: prove the patched drafter computes what the DFlash authors' reference computes."""
+"""`conformance`: the patched drafter against the authors' reference."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from vllm_dflash.cli.common import checkout
 from vllm_dflash.conformance.cases import CASE_NAMES
+from vllm_dflash.conformance.compare import FAILED_EXIT, ConformanceOptions, render, run_conformance
+from vllm_dflash.errors import ConformanceError
 
 _EPILOG = f"""\
 cases: {", ".join(CASE_NAMES)}.
@@ -35,14 +38,11 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_dflash.conformance.compare import FAILED_EXIT, ConformanceOptions, render, run_conformance
-    from vllm_dflash.errors import ConformanceError
-    from vllm_dflash.manifest import load_manifest
 
     for flag, path in (("--patched-wheel", args.patched_wheel), ("--stock-wheel", args.stock_wheel)):
         if path is not None and not path.is_file():
             raise ConformanceError(f"{flag} {path}: no such file", "pass the path of a built .whl")
-    manifest = load_manifest(Path(args.root) if args.root else None)
+    co = checkout(args)
     builds = ("patched", "stock") if args.build == "both" else (args.build,)
     options = ConformanceOptions(
         builds=builds,
@@ -52,6 +52,6 @@ def run(args: argparse.Namespace) -> int:
         patched_wheel=args.patched_wheel.resolve() if args.patched_wheel else None,
         stock_wheel=args.stock_wheel.resolve() if args.stock_wheel else None,
     )
-    result = run_conformance(manifest, options)
+    result = run_conformance(co.manifest, co.queues, options)
     render(result)
     return 0 if result.ok else FAILED_EXIT

@@ -1,0 +1,94 @@
+"""`image`: the container image from the wheel(s) in dist/."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from vllm_dflash.cli.common import checkout
+from vllm_dflash.errors import ContainerError
+from vllm_dflash.manifest import MACHINES
+from vllm_dflash.pipeline import image as img
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "image",
+        help="build the container image from the wheel in dist/ and tag it <repo>:<version>",
+        description=(img.__doc__ or "").strip(),
+    )
+    p.add_argument(
+        "--target", choices=img.TARGETS, default="fast", help="fast: upstream image + wheel (default); full: compile"
+    )
+    p.add_argument("--tool", choices=img.TOOLS, default=None, help="container tool (default: docker, podman, buildah)")
+    p.add_argument("--base-image", default=None, help="fast target: base image (default: pinned vllm/vllm-openai)")
+    p.add_argument(
+        "--tag", dest="repo", default=img.DEFAULT_REPO, help=f"image repository (default: {img.DEFAULT_REPO})"
+    )
+    p.add_argument("--wheel", type=Path, default=None, help="the wheel to install (default: the one in dist/)")
+    p.add_argument(
+        "--platform",
+        choices=(*MACHINES, "all"),
+        default=None,
+        help="build for this platform, or all (per-platform tags plus an image index at <tag>); "
+        "a foreign platform needs qemu emulation (default: this machine's)",
+    )
+    p.add_argument("--build-arg", action="append", default=[], metavar="KEY=VALUE", help="extra build argument")
+    p.add_argument("--storage-root", type=Path, default=None, help="podman/buildah: private image storage directory")
+    p.add_argument("--storage-driver", default=None, help="podman/buildah: storage driver (e.g. vfs)")
+    p.add_argument("--isolation", default=None, help="podman/buildah: build isolation (e.g. chroot)")
+    p.add_argument("--network", default=None, help="RUN steps' network, e.g. none (not with chroot)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    co = checkout(args)
+    m = co.manifest
+    wanted = img.machines(args.platform)
+    if args.wheel is not None and len(wanted) > 1:
+        raise ContainerError("--wheel names one wheel, --platform all wants one per platform", "drop one of them")
+    if args.wheel is not None and not args.wheel.is_file():
+        raise ContainerError(f"--wheel {args.wheel}: no such file", "pass a wheel built by `vllm-dflash build`")
+    base = img.ImageOptions(
+        target=args.target,
+        tool=args.tool,
+        base_image=args.base_image,
+        repo=args.repo,
+        storage_root=args.storage_root,
+        storage_driver=args.storage_driver,
+        isolation=args.isolation,
+        network=args.network,
+        build_args=img.parse_build_args(args.build_arg),
+    )
+    url = img.source_url(m)
+    dockerfile = m.root / img.DOCKERFILE
+    explicit = args.platform is not None
+    built: list[img.ImageResult] = []
+    skipped: list[str] = []
+    for machine in wanted:
+        why_not = img.can_build_for(machine)
+        if why_not is not None and len(wanted) > 1:
+            skipped.append(f"{machine}: {why_not}")
+            continue
+        options = replace(base, platform=machine if explicit else None)
+        if args.target == "fast":
+            wheel = args.wheel.resolve() if args.wheel is not None else img.find_wheel(m.dist_dir, m.version, machine)
+            labels = img.labels_from_wheel(wheel, url)
+        else:
+            wheel, labels = None, img.labels_from_queue(m, co.queues, url)
+        result = img.build_image(labels, dockerfile, wheel, options)
+        print(f"built {result.tag} with {result.tool} in {result.seconds:.0f} s", file=sys.stderr)
+        print(f"{result.tag}\ndigest={result.digest}")
+        built.append(result)
+    for line in skipped:
+        print(f"NOT BUILT {line}", file=sys.stderr)
+    if len(built) > 1:
+        index = img.image_tag(built[0].labels[img.LABEL_VERSION], args.repo)
+        img.image_index(built[0].tool, base, index, built)
+        print(f"{index}\nindex over {', '.join(r.platform for r in built)}")
+    if not built:
+        raise ContainerError("no image could be built here: " + "; ".join(skipped), "")
+    return 0

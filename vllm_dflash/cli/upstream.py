@@ -1,0 +1,89 @@
+"""`upstream` and `rebase`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from vllm_dflash.cli.common import checkout
+from vllm_dflash.paths import write_text_atomic
+from vllm_dflash.upstream.evidence import load_watch_rules
+from vllm_dflash.upstream.rebase import rebase
+from vllm_dflash.upstream.targets import resolve_target
+from vllm_dflash.upstream.verdicts import analyse
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "upstream",
+        help="per patch: still needed and applies / conflicts / already upstream, against a release or git ref",
+        description="Check the patch queue against an upstream release (its hash-pinned PyPI sdist) or a git ref. "
+        "Never changes the repo. Exit 0 when a report was produced (see --json for the machine-readable verdicts).",
+    )
+    p.add_argument(
+        "--against",
+        metavar="REF",
+        default="latest",
+        help="a release (v0.26.0 / 0.26.0), 'latest' (newest release on the index; default) or a git ref (main)",
+    )
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the verdicts as JSON")
+    p.add_argument("--markdown", type=Path, default=None, metavar="FILE", help="also write a Markdown report")
+    p.set_defaults(func=run_upstream)
+
+    r: argparse.ArgumentParser = sub.add_parser(
+        "rebase",
+        help="move the pin to a new upstream release, retiring patches it absorbed",
+        description="Move the pin in dist.toml to REF (sdist, commit, wheels, all hashed from the index), retire "
+        "patches upstream absorbed, re-apply the rest and set VERSION to <REF>+dflash.1. A patch whose context "
+        "moved is re-applied with a 3-way merge and refreshed. Stops with nothing changed in the repo when a merge "
+        "conflicts (leaving a work tree to resolve it in; then --continue) or a patch needs review.",
+    )
+    r.add_argument("--to", required=True, metavar="REF", help="the release to move to (v0.22.0, 0.22.0 or 'latest')")
+    r.add_argument(
+        "--retire",
+        action="append",
+        default=[],
+        metavar="PATCH",
+        help="retire this patch too (after you reviewed a 'superseded'/'review' verdict); repeatable",
+    )
+    r.add_argument("--dry-run", action="store_true", help="compute and verify everything, write nothing")
+    r.add_argument(
+        "--continue",
+        dest="resume",
+        action="store_true",
+        help="after resolving a merge conflict in the work tree a stopped rebase named, finish the rebase",
+    )
+    r.set_defaults(func=run_rebase)
+
+
+def _write_out(path: Path | None, text: str) -> None:
+    if path is not None:
+        write_text_atomic(path.resolve(), text)
+
+
+def run_upstream(args: argparse.Namespace) -> int:
+    co = checkout(args)
+    m = co.manifest
+    report = analyse(m, resolve_target(m, args.against), co.queues.dflash.patches, load_watch_rules(m.patches_dir))
+    print(report.text(), end="", flush=True)
+    _write_out(args.json, json.dumps(report.as_json(), indent=2) + "\n")
+    _write_out(args.markdown, report.markdown())
+    return 0
+
+
+def run_rebase(args: argparse.Namespace) -> int:
+    co = checkout(args)
+    m = co.manifest
+    rules = load_watch_rules(m.patches_dir)
+    result = rebase(
+        m, co.queues.dflash, rules, args.to, args.retire, args.dry_run, args.resume, cpu_queue_size=len(co.queues.cpu)
+    )
+    verb = "would change" if result.dry_run else "changed"
+    print(f"rebase to {result.version}: retired {', '.join(result.retired) or 'none'}; "
+          f"kept {', '.join(result.kept) or 'none'}")  # fmt: skip
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"{verb}: {', '.join(result.changed)}")
+    return 0

@@ -1,0 +1,84 @@
+"""`validate`: the acceptance smoke test."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from vllm_dflash.cli.common import manifest
+from vllm_dflash.errors import ManifestError, MeasurementError
+from vllm_dflash.manifest import load_profile_file
+from vllm_dflash.validate.smoke import ServerChoice, load_prompts, validate
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "validate",
+        help="acceptance smoke test: serve a profile, measure the drafter's acceptance length, write a report",
+        description="Exit 0: all gates passed; 1: a gate failed; 2: acceptance could not be measured.",
+    )
+    p.add_argument("--profile", required=True, help="profile name ([profiles.NAME] in dist.toml)")
+    p.add_argument("--profile-file", type=Path, default=None, help="TOML with [profiles.NAME] tables instead")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--endpoint", default=None, help="use a running server at this URL (never stopped)")
+    where.add_argument("--image", default=None, help="launch this container image (docker run --gpus all ...)")
+    where.add_argument(
+        "--python",
+        type=Path,
+        default=None,
+        help="launch `vllm serve` from this Python's environment (default: the one running vllm-dflash)",
+    )
+    p.add_argument("--wheel", type=Path, default=None, help="the vLLM wheel being validated (named in the report)")
+    p.add_argument("--container-tool", default="docker", help="docker or podman (default: docker)")
+    p.add_argument("--gpus", default="all", help="value of --gpus for the container (empty: none)")
+    p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None, help="also run without spec")
+    p.add_argument("--baseline-endpoint", default=None, help="with --endpoint: a no-speculation server to compare")
+    p.add_argument("--prompts", default=None, help="override the profile's prompt set (name or JSONL path)")
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--health-timeout", type=float, default=None, help="seconds to wait for /health")
+    p.add_argument("--report", type=Path, default=None, help="report path (default: validation-PROFILE.json)")
+    p.add_argument("--log-dir", type=Path, default=None, help="where the launched server's log goes")
+    p.add_argument("--quiet", action="store_true", help="no table and progress, only the verdict line")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.profile_file is not None:
+        profiles = load_profile_file(args.profile_file)
+    else:
+        profiles = dict(manifest(args).profiles)
+    if args.profile not in profiles:
+        raise ManifestError(f"no profile '{args.profile}'", f"choose one of {sorted(profiles)}")
+    profile = profiles[args.profile]
+    if args.wheel is not None and not args.wheel.is_file():
+        raise MeasurementError(f"--wheel {args.wheel} does not exist", "pass the wheel file the server runs")
+    prompts = load_prompts(args.prompts or profile.prompts, args.num_prompts or profile.num_prompts)
+    choice = ServerChoice(
+        endpoint=args.endpoint,
+        python=args.python,
+        image=args.image,
+        wheel=args.wheel,
+        container_tool=args.container_tool,
+        gpus=args.gpus,
+        baseline_endpoint=args.baseline_endpoint,
+        health_timeout_s=args.health_timeout,
+        log_dir=args.log_dir,
+    )
+    if args.endpoint and args.baseline and not args.baseline_endpoint:
+        print("warning: --baseline with --endpoint needs --baseline-endpoint URL; no baseline run", file=sys.stderr)
+    report_path = args.report or Path(f"validation-{profile.name}.json")
+    try:
+        result = validate(
+            profile, choice, report_path, prompts, args.baseline, show=not args.quiet, prompt_set=args.prompts
+        )
+    except MeasurementError:
+        print(f"report: {report_path} (verdict: error)", file=sys.stderr)
+        raise
+    acc = result.report["acceptance"]
+    print(
+        f"verdict: {result.report['verdict']} (AL {acc['mean_acceptance_length']:.3f}); report: {result.report_path}",
+        flush=True,
+    )
+    return result.exit_code

