@@ -71,7 +71,7 @@ def sdist_tree(manifest: Manifest, tmp_path_factory: pytest.TempPathFactory):  #
 
 def clone_tree(tree, dest: Path):  # type: ignore[no-untyped-def]
     """A cheap private copy of a prepared SourceTree (objects shared, tags including dflash-base copied)."""
-    from vllm_dflash.pipeline.source import SourceTree
+    from vllm_dflash.pipeline.model import SourceTree
 
     git(dest.parent, "clone", "-q", "--shared", str(tree.path), str(dest))
     git(dest, "checkout", "-q", "--detach", tree.base)

@@ -19,7 +19,7 @@ import pytest
 
 from vllm_dflash.conformance import cases as C
 from vllm_dflash.conformance import compare
-from vllm_dflash.conformance import oracle as O
+from vllm_dflash.envs import reference_python
 from vllm_dflash.manifest import Manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def ref_python(manifest: Manifest) -> Path:
-    return O.ensure_reference_env(manifest.raw)
+    return reference_python(manifest)
 
 
 def _in_ref(ref_python: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:

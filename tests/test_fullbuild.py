@@ -20,7 +20,8 @@ from vllm_dflash.errors import ToolchainError, UnsupportedModeError
 from vllm_dflash.fetch import cache_dir, fetch
 from vllm_dflash.manifest import Manifest
 from vllm_dflash.pipeline import fullbuild as fb
-from vllm_dflash.pipeline.patches import Patch, PatchedTree, load_patch, series_or_empty
+from vllm_dflash.pipeline.model import PatchedTree
+from vllm_dflash.series import Patch, load_patch, read_queue
 
 PY_PATCH = """\
 From 1111111111111111111111111111111111111111 Mon Sep 17 00:00:00 2001
@@ -98,7 +99,7 @@ def test_auto_picks_fast_for_python_only_and_full_for_csrc(queues: tuple[list[Pa
 
 
 def test_our_queue_is_fast(manifest: Manifest) -> None:
-    patches = series_or_empty(manifest.patches_dir)
+    patches = read_queue(manifest.series_path).patches
     assert fb.choose_mode(patches, True, "auto").mode == "fast"
 
 
@@ -295,7 +296,7 @@ def _patched_tree(manifest: Manifest) -> Iterator[PatchedTree]:
 
     with trees_lock():
         yield apply_series(
-            prepare_source(manifest, "auto"), series_or_empty(manifest.patches_dir), manifest.fork_branch
+            prepare_source(manifest, "auto"), read_queue(manifest.series_path).patches, manifest.fork_branch
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -23,12 +24,17 @@ from pathlib import Path
 
 import pytest
 
+from vllm_dflash import provenance as prov
 from vllm_dflash.errors import ContainerError
-from vllm_dflash.fetch import cache_dir
+from vllm_dflash.fetch import cache_dir, fetch
 from vllm_dflash.manifest import Manifest, load_manifest
 from vllm_dflash.pipeline import image as img
+from vllm_dflash.pipeline.build import BuildOptions, build
+from vllm_dflash.pipeline.wheelfile import add_files
+from vllm_dflash.series import read_queue, read_queues
 
 REPO = Path(__file__).resolve().parents[1]
+SOURCE = "https://example.invalid/vllm-dflash"
 DOCKERFILE = REPO / "Dockerfile"
 HADOLINT = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
 
@@ -125,35 +131,46 @@ def test_find_wheel_exact_file(tmp_path: Path, manifest: Manifest) -> None:
     # A wheel of another distribution version is not ours: still refused, and named in the message.
     (m.dist_dir / "vllm-0.20.1+dflash.0-cp38-abi3-manylinux_2_35_x86_64.whl").write_bytes(b"")
     with pytest.raises(ContainerError, match=r"dflash\.0"):
-        img.find_wheel(m, "x86_64")
+        img.find_wheel(m.dist_dir, m.version, "x86_64")
     ours = m.dist_dir / f"vllm-{m.version}-cp38-abi3-manylinux_2_35_x86_64.whl"
     ours.write_bytes(b"")
-    assert img.find_wheel(m, "x86_64") == ours
+    assert img.find_wheel(m.dist_dir, m.version, "x86_64") == ours
     with pytest.raises(ContainerError, match="no wheel"):
-        img.find_wheel(m, "aarch64")
+        img.find_wheel(m.dist_dir, m.version, "aarch64")
     (m.dist_dir / f"vllm-{m.version}-cp38-abi3-linux_x86_64.whl").write_bytes(b"")
     with pytest.raises(ContainerError, match="2 wheels"):
-        img.find_wheel(m, "x86_64")
+        img.find_wheel(m.dist_dir, m.version, "x86_64")
 
 
 def test_build_image_refuses_other_version_and_target(tmp_path: Path, manifest: Manifest) -> None:
     other = tmp_path / "vllm-0.20.1+dflash.99-cp38-abi3-manylinux_2_35_x86_64.whl"
     other.write_bytes(b"")
+    labels = _labels(manifest)
     with pytest.raises(ContainerError, match="is not a wheel of vllm"):
-        img.build_image(manifest, other, img.ImageOptions(tool="podman"))
+        img.build_image(labels, REPO / "Dockerfile", other, img.ImageOptions(tool="podman"))
     with pytest.raises(ContainerError, match="unknown image target"):
-        img.build_image(manifest, other, img.ImageOptions(target="slim"))
+        img.build_image(labels, REPO / "Dockerfile", other, img.ImageOptions(target="slim"))
     with pytest.raises(ContainerError, match="unknown container tool"):
         img.pick_tool("nerdctl")
 
 
+def _labels(manifest: Manifest) -> img.ImageLabels:
+    return img.ImageLabels(
+        version=manifest.version,
+        upstream_tag=manifest.upstream.tag,
+        upstream_commit=manifest.upstream.commit,
+        patches=("0001-a.patch", "0002-b.patch"),
+        source_url="https://example.invalid/vllm-dflash",
+    )
+
+
 def test_tag_and_build_commands(manifest: Manifest) -> None:
     assert (
-        img.image_tag(manifest, "ghcr.io/acme/vllm")
+        img.image_tag(manifest.version, "ghcr.io/acme/vllm")
         == f"ghcr.io/acme/vllm:{manifest.upstream.version}-dflash." + (manifest.version.split("dflash.")[1])
     )
     opts = img.ImageOptions(tool="podman", storage_root=Path("/s"), storage_driver="vfs", isolation="chroot")
-    args = img.build_args(manifest, opts, Path("/x/w.whl"))
+    args = img.build_args(_labels(manifest), opts, Path("/x/w.whl"))
     assert args["DFLASH_VERSION"] == manifest.version and args["WHEEL"] == "w.whl"
     assert args["UPSTREAM_TAG"] == manifest.upstream.tag and args["UPSTREAM_COMMIT"] == manifest.upstream.commit
     pod = img.build_command("podman", opts, Path("/r/Dockerfile"), Path("/ctx"), "t:1", Path("/i"), args)
@@ -163,6 +180,9 @@ def test_tag_and_build_commands(manifest: Manifest) -> None:
     assert bud[7] == "bud"
     dock = img.build_command("docker", replace(opts, tool="docker"), Path("/r/D"), Path("/c"), "t:1", Path("/i"), {})
     assert dock[:2] == ["docker", "build"] and "--root" not in dock and "--isolation" not in dock
+    arm = img.build_command("podman", replace(opts, platform="aarch64"), Path("/r/D"), Path("/c"), "t", Path("/i"), {})
+    assert arm[arm.index("--platform") + 1] == "linux/arm64"
+    assert args["DFLASH_PATCHES"] == "0001-a.patch,0002-b.patch"
 
 
 # ------------------------------------------------------------------------------------------------ real build
@@ -260,11 +280,10 @@ def podman_store() -> Iterator[tuple[img.ImageOptions, str]]:
 
 @pytest.fixture(scope="module")
 def dflash_wheel(tmp_path_factory: pytest.TempPathFactory, manifest: Manifest) -> Path:
-    """Our real wheel, built by the pipeline (fast path) into a temp dir."""
-    from vllm_dflash.pipeline.pipeline import run_build
-
+    """Our real wheel for this machine, built by the pipeline (fast path) into a temp dir."""
     out = tmp_path_factory.mktemp("wheel")
-    return run_build(manifest, out_dir=out).path
+    options = BuildOptions(platforms=(platform.machine(),), out_dir=out)
+    return build(manifest, read_queues(manifest.series_path, manifest.cpu_series_path), options).wheels[0].path
 
 
 @pytest.mark.slow
@@ -274,9 +293,9 @@ def test_fast_image_builds_and_checks_inside(
 ) -> None:
     opts, base = podman_store
     t0 = time.monotonic()
-    result = img.build_image(manifest, dflash_wheel, opts)
+    result = img.build_image(img.labels_from_wheel(dflash_wheel, SOURCE), REPO / "Dockerfile", dflash_wheel, opts)
     build_s = time.monotonic() - t0
-    assert result.tag == img.image_tag(manifest, opts.repo)
+    assert result.tag == img.image_tag(manifest.version, opts.repo)
     assert re.fullmatch(r"sha256:[0-9a-f]{64}", result.digest)
 
     prefix = img.tool_prefix("podman", opts)
@@ -291,8 +310,8 @@ def test_fast_image_builds_and_checks_inside(
     assert labels[img.LABEL_VERSION] == manifest.version
     assert labels[img.LABEL_UPSTREAM_TAG] == manifest.upstream.tag
     assert labels[img.LABEL_UPSTREAM_COMMIT] == manifest.upstream.commit
-    assert labels[img.LABEL_PATCHES] == ",".join(img.patch_names(manifest))
-    assert labels[img.LABEL_SOURCE]
+    assert labels[img.LABEL_PATCHES] == ",".join(p.name for p in read_queue(manifest.series_path).patches)
+    assert labels[img.LABEL_SOURCE] == SOURCE
     assert info["Config"]["Entrypoint"] == ["vllm", "serve"]
     health = info.get("Healthcheck") or info["Config"].get("Healthcheck") or {}
     assert any("/health" in part for part in health.get("Test", []))
@@ -300,10 +319,7 @@ def test_fast_image_builds_and_checks_inside(
     # Inside the image: the wheel's files, byte for byte, for our wheel; upstream's wheel must NOT match
     # (negative control: at least vllm/_version.py differs, since it carries our version).
     ours = _wheel_hashes(dflash_wheel)
-    from vllm_dflash.pipeline.wheel import resolve_base_wheel
-
-    upstream_wheel = resolve_base_wheel(manifest, None)
-    assert upstream_wheel is not None
+    upstream_wheel = fetch(manifest.wheels[platform.machine()])
     upstream = _wheel_hashes(upstream_wheel)
     check = tmp_path / "check"
     check.mkdir()
@@ -366,14 +382,26 @@ def test_fast_image_builds_and_checks_inside(
 def test_fast_image_with_buildah(
     podman_store: tuple[img.ImageOptions, str], dflash_wheel: Path, manifest: Manifest, tmp_path: Path
 ) -> None:
-    """The same build through buildah (same storage): labels read back through buildah's own inspect layout."""
+    """Through buildah (same storage), from a wheel whose provenance differs from the checkout: the labels follow
+    the wheel (read back through buildah's own inspect layout), not dist.toml or patches/series."""
     opts, _ = podman_store
+    doc = prov.read_wheel(dflash_wheel)
+    other = replace(
+        doc,
+        upstream=replace(doc.upstream, tag="v0.20.1-elsewhere", commit_pinned="0123456789"),
+        patches=doc.patches[:1],
+    )
+    odd = tmp_path / dflash_wheel.name
+    add_files(dflash_wheel, {prov.PATH: other.dumps()}, odd)
     bopts = replace(opts, tool="buildah", repo="localhost/vllm-dflash-test-buildah")
-    result = img.build_image(manifest, dflash_wheel, bopts)
+    result = img.build_image(img.labels_from_wheel(odd, SOURCE), REPO / "Dockerfile", odd, bopts)
     assert result.tool == "buildah" and result.tag.startswith("localhost/vllm-dflash-test-buildah:")
     labels = img.image_labels(img.inspect_image("buildah", bopts, result.tag))
     assert labels[img.LABEL_VERSION] == manifest.version
-    assert labels[img.LABEL_PATCHES] == ",".join(img.patch_names(manifest))
+    assert labels[img.LABEL_UPSTREAM_TAG] == "v0.20.1-elsewhere" != manifest.upstream.tag
+    assert labels[img.LABEL_UPSTREAM_COMMIT] == "0123456789" != manifest.upstream.commit
+    assert labels[img.LABEL_PATCHES] == doc.patches[0].name
+    assert len(read_queue(manifest.series_path).patches) > 1
     prefix = img.tool_prefix("podman", opts)
     res = subprocess.run(
         [

@@ -44,3 +44,51 @@ def test_bad_hash_in_manifest(repo_root: Path, tmp_path: Path) -> None:
     (root / "dist.toml").write_text(text)
     with pytest.raises(ManifestError, match="64 hex"):
         load_manifest(root)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "hint"),
+    [
+        ('dist_dir = "dist"', 'dist_dri = "dist"', "did you mean 'dist_dir'?"),
+        ("\n[upstream]\n", "\n[upstrem]\n", "did you mean 'upstream'?"),
+        ("num_speculative_tokens = 15  # drafter", "num_speculative_token = 15  # drafter", "did you mean"),
+        ('required_profiles = ["', 'required_profile = ["', "did you mean 'required_profiles'?"),
+    ],
+)
+def test_unknown_keys_are_refused_with_a_hint(repo_root: Path, tmp_path: Path, old: str, new: str, hint: str) -> None:
+    root = _copy(repo_root, tmp_path)
+    text = (root / "dist.toml").read_text()
+    assert old in text
+    (root / "dist.toml").write_text(text.replace(old, new, 1))
+    with pytest.raises(ManifestError, match="unknown key") as info:
+        load_manifest(root)
+    assert hint in info.value.one_line()
+
+
+def test_every_table_is_typed(manifest: Manifest) -> None:
+    """Profiles, releases, publish policy and the reference are parsed once, into dataclasses."""
+    assert manifest.reference is not None and manifest.reference.filename.startswith("dflash-")
+    assert "0.22.0" in manifest.releases and manifest.releases["0.22.0"].commit == "0b3ba88f1"
+    assert set(manifest.publish.required_profiles) <= set(manifest.profiles)
+    prof = manifest.profiles["qwen3.6-27b"]
+    assert prof.num_speculative_tokens == 15 and prof.thinking is False and prof.serve_args
+    assert len(prof.digest) == 64
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "match"),
+    [
+        ("num_speculative_tokens = 15  # drafter", 'num_speculative_tokens = "15"  # drafter', "must be int"),
+        ("thinking = false", "thinking = 0", "must be bool"),
+        ('required_profiles = ["qwen3.6-27b"', 'required_profiles = ["qwen3.6-72b"', "no \\[profiles"),
+        ('dist_dir = "dist"', 'dist_dir = "../elsewhere"', "not a relative path inside"),
+        ("[artifacts.wheel.aarch64]", "[artifacts.wheel.arm64]", "no known platform"),
+    ],
+)
+def test_bad_values_are_refused(repo_root: Path, tmp_path: Path, old: str, new: str, match: str) -> None:
+    root = _copy(repo_root, tmp_path)
+    text = (root / "dist.toml").read_text()
+    assert old in text
+    (root / "dist.toml").write_text(text.replace(old, new, 1))
+    with pytest.raises(ManifestError, match=match):
+        load_manifest(root)

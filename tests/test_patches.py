@@ -8,15 +8,19 @@ import pytest
 from conftest import Checkout, PatchFactory, git, replace_line
 
 from vllm_dflash.errors import ManifestError, PatchError
+from vllm_dflash.pipeline.model import SourceTree
 from vllm_dflash.pipeline.patches import (
     PatchState,
     apply_series,
     check_patch,
     check_series,
-    load_patch,
-    read_series,
 )
-from vllm_dflash.pipeline.source import SourceTree
+from vllm_dflash.series import load_patch, read_queue
+
+
+def read_series(d: Path) -> tuple:  # type: ignore[type-arg]
+    return read_queue(d / "series", missing_ok=False).patches
+
 
 DFLASH = "vllm/v1/spec_decode/dflash.py"
 VERSION_PY = "vllm/_version.py"
@@ -185,7 +189,7 @@ def test_cli_status_table(checkout: Checkout, patches: dict[str, Path]) -> None:
     checkout.set_series(patches["one"], patches["conflict"], patches["upstream"])
     r = checkout.cli("patches", "status")
     assert r.returncode == 6, r.stderr
-    rows = {line.split("│")[2].strip(): line for line in r.stdout.splitlines() if line.count("│") >= 5}
+    rows = {line.split("│")[3].strip(): line for line in r.stdout.splitlines() if line.count("│") >= 6}
     assert "applies" in rows["0001-one.patch"]
     assert "conflicts" in rows["0003-conflict.patch"] and f"{DFLASH}: hunk 1" in rows["0003-conflict.patch"]
     assert "already upstream" in rows["0004-upstream.patch"]

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from vllm_dflash.manifest import Manifest, parse_artifact
-from vllm_dflash.pipeline.patches import Patch, PatchState, check_patch, check_series, read_series
+from vllm_dflash.pipeline.patches import PatchState, check_patch, check_series
+from vllm_dflash.series import Patch, read_queue
 
 REQUIRED_DEP3 = ("Description", "Origin", "Forwarded", "Applied-Upstream", "Bug", "Last-Update", "Drop-When")
 TAP = "0001-dflash-target-layer-taps.patch"
@@ -25,7 +26,7 @@ CPU = "0003-cpu-attn-causal-window.patch"
 
 @pytest.fixture(scope="module")
 def queue(manifest: Manifest) -> dict[str, Patch]:
-    return {p.name: p for p in read_series(manifest.patches_dir)}
+    return {p.name: p for p in read_queue(manifest.series_path, missing_ok=False).patches}
 
 
 @pytest.fixture(scope="module")

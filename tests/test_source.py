@@ -12,7 +12,8 @@ from conftest import Checkout, clone_tree, git
 from vllm_dflash.errors import DirtyTreeError, NetworkError, PinMismatchError
 from vllm_dflash.fetch import fetch
 from vllm_dflash.manifest import Manifest
-from vllm_dflash.pipeline.source import BASE_TAG, SourceTree, prepare_source, release_tree, sdist_commit
+from vllm_dflash.pipeline.model import SourceTree
+from vllm_dflash.pipeline.source import BASE_TAG, prepare_source, release_tree, sdist_commit
 
 
 def with_upstream(manifest: Manifest, **changes: str) -> Manifest:

@@ -22,22 +22,20 @@ import pytest
 from vllm_dflash.cli import main
 from vllm_dflash.errors import UpstreamError
 from vllm_dflash.manifest import load_manifest
-from vllm_dflash.pipeline.patches import load_patch, read_series
-from vllm_dflash.upstream import (
+from vllm_dflash.series import load_patch, read_queue
+from vllm_dflash.upstream.evidence import (
     ContentCheck,
     DropWhen,
     Probe,
-    Status,
     WatchRule,
-    analyse,
     content_check,
-    decide,
     load_watch_rules,
     parse_changes,
     parse_drop_when,
-    refresh_tree_path,
-    release_target,
 )
+from vllm_dflash.upstream.rebase import refresh_tree_path
+from vllm_dflash.upstream.targets import release_target
+from vllm_dflash.upstream.verdicts import Status, analyse, decide
 
 REPO = Path(__file__).resolve().parents[1]
 GIT_ID = ["-c", "user.name=test", "-c", "user.email=test@localhost"]
@@ -146,7 +144,7 @@ def queue() -> dict[str, str]:
     """The real queue's patches by role: 'tap' (#40727, released in 0.22.0), 'sliding' (#40898, unmerged), 'all'."""
     series = REPO / "patches" / "series"
     assert series.is_file(), "patches/series is missing: the real DFlash patch queue has not landed"
-    patches = read_series(REPO / "patches")
+    patches = read_queue(REPO / "patches" / "series").patches
     rules = load_watch_rules(REPO / "patches")
     tap = [p.name for p in patches if "40727" in p.drop_when]
     sliding = [p.name for p in patches if any(r.selects(p.name, p.subject) for r in rules)]
@@ -270,7 +268,7 @@ def test_rebase_0_20_1_to_0_22_0_retires_tap_keeps_sliding(
             assert index[art.filename] == art.sha256
     assert m.version == "0.22.0+dflash.1" and (root / "VERSION").read_text() == "0.22.0+dflash.1\n"
     kept = [n for n in queue["all"].split() if n != queue["tap"]]
-    assert [p.name for p in read_series(root / "patches")] == kept and queue["sliding"] in kept
+    assert [p.name for p in read_queue(root / "patches" / "series").patches] == kept and queue["sliding"] in kept
 
     retired = root / "patches" / "retired" / queue["tap"]
     assert retired.read_bytes() == before[f"patches/{queue['tap']}"]
@@ -282,7 +280,9 @@ def test_rebase_0_20_1_to_0_22_0_retires_tap_keeps_sliding(
     for line in old_text.splitlines():
         if line.startswith("#") and "0.20.1" not in line and "f98b2747f" not in line:
             assert line in (root / "dist.toml").read_text()
-    assert "0.20.1" not in json.dumps({k: v for k, v in m.raw.items() if k != "releases"})
+    pins = [m.upstream.version, m.upstream.tag, m.sdist.filename, *(a.filename for a in m.wheels.values())]
+    pins += [a.filename for a in m.cpu_wheels.values()]
+    assert not [p for p in pins if "0.20.1" in p]
     # Only the pin, the queue and the record changed; the kept patches (refreshed or not) now apply exactly.
     after = _snapshot(root)
     changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
@@ -327,7 +327,7 @@ def test_rebase_0_22_0_to_0_26_0_stops_on_the_sliding_patch_then_retires_it_on_r
     assert _cli(root, "rebase", "--to", "v0.26.0", *retire) == 0
     m = load_manifest(root)
     assert (m.upstream.version, m.upstream.commit, m.version) == ("0.26.0", "f2654939e", "0.26.0+dflash.1")
-    assert read_series(root / "patches") == ()
+    assert read_queue(root / "patches" / "series").patches == ()
     record = tomllib.loads((root / "patches" / "retired.toml").read_text())["retired"]
     assert record[queue["tap"]]["retired_in"] == "0.22.0"
     assert record[queue["sliding"]]["retired_in"] == "0.26.0"
@@ -409,15 +409,18 @@ def test_reverse_apply_is_checked_against_content_on_a_real_tree(pinned_0201: No
         path.write_text(_make_patch(tmp_path, tree_0201, edit, f"{name}\n\n{header}", ctx))
         patches.append(load_patch(path))
 
-    by = {v.patch: v for v in analyse(m, target, patches[:1]).verdicts}
+    by = {v.patch: v for v in analyse(m, target, patches[:1], load_watch_rules(m.patches_dir)).verdicts}
     v = by["0001-drop-prefix.patch"]
     assert v.apply == "reverse-applies" and v.status is Status.REVIEW, v
-    by = {v.patch: v for v in analyse(m, target, patches[1:]).verdicts}
+    by = {v.patch: v for v in analyse(m, target, patches[1:], load_watch_rules(m.patches_dir)).verdicts}
     v = by["0002-backport.patch"]
     assert v.status is Status.UPSTREAM and v.evidence.startswith("reverse-apply + content"), v
     # Control: on the release they were made for, each applies.
     base = release_target(m, "0.20.1")
-    assert [analyse(m, base, [p]).verdicts[0].status for p in patches] == [Status.APPLIES, Status.APPLIES]
+    assert [analyse(m, base, [p], load_watch_rules(m.patches_dir)).verdicts[0].status for p in patches] == [
+        Status.APPLIES,
+        Status.APPLIES,
+    ]
 
 
 @pytest.mark.network

@@ -20,25 +20,23 @@ from typing import Any
 
 import pytest
 import tomlkit
+from cpu_server import CPU_SERVER_WHEEL, cpu_server_python, make_tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_dflash.fetch import fetch, sha256_file
+from vllm_dflash.manifest import load_manifest
 from vllm_dflash.report import seal_problem
 from vllm_dflash.validate.server import (
-    CPU_SERVER_WHEEL,
     ContainerOptions,
     LaunchSpec,
     RunningServer,
     container_run_command,
-    cpu_server_python,
     free_port,
     http_get,
     installed_matches_wheel,
     installed_vllm,
     launch_subprocess,
-    make_tiny_model,
 )
-from vllm_dflash.validate.smoke import load_profiles
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
 
@@ -91,7 +89,7 @@ class Servers:
 
     def __init__(self, python: Path, root: Path, log_dir: Path) -> None:
         self.python, self.log_dir = python, log_dir
-        self.profile = load_profiles(root)[PASSING]
+        self.profile = load_manifest(root).profiles[PASSING]
         self.stack = contextlib.ExitStack()
         self.kind: bool | None = None
         self.server: RunningServer | None = None

@@ -13,9 +13,13 @@ from conftest import PatchFactory, clone_tree, replace_line
 from vllm_dflash.errors import HashMismatchError, PinMismatchError, UnsupportedModeError
 from vllm_dflash.fetch import fetch
 from vllm_dflash.manifest import Manifest
-from vllm_dflash.pipeline.patches import PatchedTree, apply_series, load_patch
+from vllm_dflash.pipeline.model import PatchedTree, WheelResult
+from vllm_dflash.pipeline.patches import apply_series
 from vllm_dflash.pipeline.source import SourceTree
-from vllm_dflash.pipeline.wheel import PROVENANCE_PATH, WheelResult, build_fast_wheel, verify_wheel
+from vllm_dflash.pipeline.wheel import build_fast_wheel
+from vllm_dflash.pipeline.wheelfile import verify_wheel
+from vllm_dflash.provenance import PATH as PROVENANCE_PATH
+from vllm_dflash.series import load_patch
 
 DFLASH = "vllm/v1/spec_decode/dflash.py"
 ADDED = "vllm/v1/spec_decode/dflash_test_note.py"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 _DIFF_GIT = re.compile(r"^diff --git (?P<a>\S+) (?P<b>\S+)$")
 _HUNK = re.compile(r"^@@ -(?P<old>\d+)(?:,(?P<oldn>\d+))? \+(?P<new>\d+)(?:,(?P<newn>\d+))? @@")
@@ -53,20 +54,25 @@ def _strip(p: str) -> str:
 
 
 def parse(text: str) -> tuple[FileDiff, ...]:
-    """Every file section of a diff. Text before the first 'diff --git' (mail headers, message) is skipped; a
-    format-patch signature ('-- ' line) ends the last hunk."""
+    """Every file section of a diff (git's `diff --git` sections, or plain `---`/`+++` ones).
+
+    Hunk bodies are consumed by the line counts their `@@` header gives, as `git apply` does, so a body line that
+    looks like a header (`--- x`) or the format-patch signature (`-- `) is never misread. Text before the first
+    section (mail headers, the message) is skipped.
+    """
     files: list[FileDiff] = []
-    cur: dict[str, object] | None = None
-    hunk_lines: list[str] = []
+    cur: dict[str, Any] | None = None
     hunks: list[Hunk] = []
-    hunk_head: tuple[int, int, str, str] | None = None
+    body: list[str] = []
+    head: tuple[int, int, str, str] | None = None
+    left_old = left_new = 0  # body lines still owed to the current hunk
 
     def end_hunk() -> None:
-        nonlocal hunk_head, hunk_lines
-        if hunk_head is not None:
-            old, new, header, first = hunk_head
-            hunks.append(Hunk(old, new, header, tuple(hunk_lines), first + "".join(hunk_lines)))
-        hunk_head, hunk_lines = None, []
+        nonlocal head, body
+        if head is not None:
+            old, new, header, first = head
+            hunks.append(Hunk(old, new, header, tuple(body), first + "".join(body)))
+        head, body = None, []
 
     def end_file() -> None:
         nonlocal cur, hunks
@@ -74,38 +80,78 @@ def parse(text: str) -> tuple[FileDiff, ...]:
         if cur is not None:
             files.append(
                 FileDiff(
-                    old_path=cur["old"],  # type: ignore[arg-type]
-                    new_path=cur["new"],  # type: ignore[arg-type]
-                    header="".join(cur["header"]),  # type: ignore[arg-type]
+                    old_path=cur["old"],
+                    new_path=cur["new"],
+                    header="".join(cur["header"]),
                     hunks=tuple(hunks),
                     new_file=bool(cur["new_file"]),
                     deleted=bool(cur["deleted"]),
                     symlink=bool(cur["symlink"]),
-                    raw_paths=tuple(cur["raw"]),  # type: ignore[arg-type]
+                    raw_paths=tuple(cur["raw"]),
                 )
             )
         cur, hunks = None, []
 
-    for line in text.splitlines(keepends=True):
+    def start(header_line: str, a: str | None, b: str | None, raw: list[str]) -> dict[str, Any]:
+        return {
+            "old": a,
+            "new": b,
+            "header": [header_line],
+            "new_file": False,
+            "deleted": False,
+            "symlink": False,
+            "raw": raw,
+            "git": header_line.startswith("diff --git "),
+        }
+
+    lines = text.splitlines(keepends=True)
+    for n, line in enumerate(lines):
         bare = line.rstrip("\n")
+        if head is not None and (left_old > 0 or left_new > 0):
+            marker = line[:1]
+            if marker in (" ", "\n", "\r") or line == "\n":
+                left_old, left_new = left_old - 1, left_new - 1
+            elif marker == "-":
+                left_old -= 1
+            elif marker == "+":
+                left_new -= 1
+            elif marker != "\\":
+                end_hunk()  # a short hunk: git would refuse it; we keep what it said
+                left_old = left_new = 0
+            if head is not None:
+                body.append(line)
+            continue
+        if head is not None and line.startswith("\\"):  # "\ No newline at end of file" after the last line
+            body.append(line)
+            continue
         if bare.startswith("diff --git "):
             end_file()
             m = _DIFF_GIT.match(bare)
             a, b = (m.group("a"), m.group("b")) if m else ("", "")
-            cur = {
-                "old": _strip(a) or None,
-                "new": _strip(b) or None,
-                "header": [line],
-                "new_file": False,
-                "deleted": False,
-                "symlink": False,
-                "raw": [p for p in (a, b) if p],
-            }
+            cur = start(line, _strip(a) or None, _strip(b) or None, [p for p in (a, b) if p])
+            continue
+        plain_start = bare.startswith("--- ") and n + 1 < len(lines) and lines[n + 1].startswith("+++ ")
+        if plain_start and (cur is None or hunks or head is not None or not cur["git"]):
+            end_file()
+            a = bare[4:].split("\t")[0]
+            b = lines[n + 1].rstrip("\n")[4:].split("\t")[0]
+            cur = start(line, None if a == "/dev/null" else _strip(a), None if b == "/dev/null" else _strip(b), [])
+            cur["raw"] += [p for p in (a, b) if p != "/dev/null"]
+            cur["new_file"], cur["deleted"] = a == "/dev/null", b == "/dev/null"
             continue
         if cur is None:
             continue
-        if hunk_head is None and not bare.startswith("@@"):
-            cur["header"].append(line)  # type: ignore[attr-defined]
+        if bare.startswith("@@"):
+            end_hunk()
+            m = _HUNK.match(bare)
+            if m:
+                header = bare[: bare.index("@@", 2) + 2]
+                head = (int(m.group("old")), int(m.group("new")), header, line)
+                left_old = int(m.group("oldn") or 1)
+                left_new = int(m.group("newn") or 1)
+            continue
+        if head is None and not hunks:
+            cur["header"].append(line)
             if bare.startswith("new file mode"):
                 cur["new_file"], cur["old"] = True, None
             elif bare.startswith("deleted file mode"):
@@ -115,25 +161,10 @@ def parse(text: str) -> tuple[FileDiff, ...]:
             if bare.startswith(("--- ", "+++ ")):
                 target = bare[4:].split("\t")[0]
                 if target != "/dev/null":
-                    cur["raw"].append(target)  # type: ignore[attr-defined]
+                    cur["raw"].append(target)
             elif bare.startswith(("rename from ", "rename to ", "copy from ", "copy to ")):
-                cur["raw"].append(bare.split(" ", 2)[2])  # type: ignore[attr-defined]
-                if bare.startswith(("rename to ", "copy to ")):
-                    cur["new"] = bare.split(" ", 2)[2]
-                else:
-                    cur["old"] = bare.split(" ", 2)[2]
-            continue
-        if bare.startswith("@@"):
-            end_hunk()
-            m = _HUNK.match(bare)
-            if m:
-                header = bare[: bare.index("@@", 2) + 2]
-                hunk_head = (int(m.group("old")), int(m.group("new")), header, line)
-            continue
-        if bare in ("-- ", "--"):  # format-patch signature: the diff is over
-            end_hunk()
-            continue
-        if hunk_head is not None and line[:1] in (" ", "+", "-", "\\"):
-            hunk_lines.append(line)
+                path = bare.split(" ", 2)[2]
+                cur["raw"].append(path)
+                cur["new" if bare.startswith(("rename to ", "copy to ")) else "old"] = path
     end_file()
     return tuple(files)

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def resolve(artifact: Artifact) -> tuple[str, int | None]:
         raise NetworkError(
             f"{artifact.filename} is not on {index_url()}/{artifact.project}/", "check the file name in dist.toml"
         )
-    url = str(entry["url"]).split("#", 1)[0]
+    url = urllib.parse.urldefrag(str(entry["url"])).url
     if url.startswith("/"):
         url = index_url().split("/simple")[0] + url
     size = entry.get("size")

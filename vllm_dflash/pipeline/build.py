@@ -127,6 +127,7 @@ def build(manifest: Manifest, queues: Queues, options: BuildOptions) -> BuildRes
     fullbuild.preflight(options.mode)  # --mode full: refuse before downloading anything when the toolchain lacks
     choice = fullbuild.choose_mode(patches, bases.available, options.mode)
     platforms = _platforms_for(choice.mode, bases, options)
+    print(f"build mode: {choice.mode} ({choice.reason})", flush=True)
     out_dir = options.out_dir or manifest.dist_dir
     created = not out_dir.exists()
     results: list[WheelResult] = []

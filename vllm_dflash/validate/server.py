@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dflash import proc
+from vllm_dflash import provenance as prov
 from vllm_dflash.errors import MeasurementError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import DEFAULT_HEALTH_TIMEOUT_S, Profile
@@ -73,7 +74,7 @@ class Provenance:
     artifact_name: str | None = None
     artifact_sha256: str | None = None  # wheel file sha256, or the image ID (sha256:...) for images
     binding: str = "none"  # how the artifact is tied to the running server
-    build_info: Mapping[str, Any] | None = None  # vllm/dflash_build.json from the served wheel, when present
+    build_info: Mapping[str, Any] | None = None  # the served wheel's provenance document, when it carries one
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -177,13 +178,13 @@ for d in md.distributions():
     if "vllm" in top or any(str(f).startswith("vllm/__init__.py") for f in files):
         if pathlib.Path(d.locate_file("vllm")).resolve() == pkg.resolve():
             dist = d; break
-build = pkg / "dflash_build.json"
+build = pkg.parent / sys.argv[1]  # the provenance document's path inside the package (provenance.PATH)
 print(json.dumps({
     "location": str(pkg),
     "name": dist.metadata["Name"] if dist else None,
     "version": dist.version if dist else None,
     "record": dist.read_text("RECORD") if dist else None,
-    "build_info": json.loads(build.read_text()) if build.is_file() else None,
+    "build_info": build.read_text() if build.is_file() else None,
 }))
 """
 
@@ -194,15 +195,17 @@ class InstalledVllm:
     name: str | None
     version: str | None
     record: str | None
-    build_info: Mapping[str, Any] | None
+    build_info: Mapping[str, Any] | None  # the provenance document as a plain mapping (what reports embed)
 
 
 def installed_vllm(python: Path) -> InstalledVllm:
     """Which vLLM `python` imports, read without importing it (no torch, no GPU needed)."""
-    out = proc.call(python, "-c", _INSTALLED_PROBE, capture=True, error=MeasurementError, quiet=True).stdout
+    out = proc.call(python, "-c", _INSTALLED_PROBE, prov.PATH, capture=True, error=MeasurementError, quiet=True).stdout
     data = json.loads(out.strip().splitlines()[-1])
     if data is None:
         raise MeasurementError(f"{python} cannot import vllm", "install the wheel to validate into that environment")
+    raw = data.pop("build_info")
+    data["build_info"] = prov.loads(raw, f"{data['location']}/{prov.PATH}").as_dict() if raw else None
     return InstalledVllm(**data)
 
 
