@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from vllm_dflash import provenance as prov
 from vllm_dflash.errors import ToolchainError, UnsupportedModeError
 from vllm_dflash.fetch import cache_dir, fetch
 from vllm_dflash.manifest import Manifest
 from vllm_dflash.pipeline import fullbuild as fb
 from vllm_dflash.pipeline.model import PatchedTree
+from vllm_dflash.pipeline.wheelfile import verify_wheel
 from vllm_dflash.series import Patch, load_patch, read_queue
 
 PY_PATCH = """\
@@ -455,7 +457,25 @@ def test_full_build_provenance_records_mode_reason_and_plan(manifest: Manifest, 
     with _patched_tree(manifest) as patched:
         opts = fb.FullBuildOptions(torch_cuda_arch_list="9.0", src_dirs={"cutlass": str(tmp_path)})
         plan = fb.plan_full_build(manifest, patched.path, opts)
-        doc = fb.full_build_provenance(manifest, patched, plan, "1 patch(es) change compiled sources: x")
+        info = fb.full_build_info(plan, "1 patch(es) change compiled sources: x")
+        # What upstream's `setup.py bdist_wheel` writes, in miniature: a real wheel with a RECORD.
+        built = tmp_path / "built" / "vllm-0.20.1+dflash.1-cp38-abi3-linux_x86_64.whl"
+        built.parent.mkdir()
+        from wheel.wheelfile import WheelFile
+
+        with WheelFile(built, "w") as wf:
+            wf.writestr("vllm/__init__.py", b"# compiled build\n")
+            wf.writestr(
+                "vllm-0.20.1+dflash.1.dist-info/METADATA",
+                b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.20.1+dflash.1\n",
+            )
+            wf.writestr("vllm-0.20.1+dflash.1.dist-info/WHEEL", b"Wheel-Version: 1.0\nRoot-Is-Purelib: false\n")
+        result = fb.embed_provenance(manifest, patched, built, tmp_path / "dist", info)
+    # The provenance travels inside the wheel on the full path too, and the wheel's RECORD stays valid.
+    assert result.path.parent == tmp_path / "dist" and result.mode == "full"
+    verify_wheel(result.path, full=True)
+    assert prov.read_wheel(result.path) == result.provenance
+    doc = result.provenance.as_dict()
     build = doc["build"]
     assert build["mode"] == "full" and build["mode_reason"].startswith("1 patch(es) change compiled sources")
     assert build["base_wheel"] is None and build["env"]["TORCH_CUDA_ARCH_LIST"] == "9.0"

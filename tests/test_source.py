@@ -151,8 +151,18 @@ def test_cli_version_pin_mismatch(checkout: Checkout) -> None:
     assert_one_line_error(r, 3, "differs from the pinned upstream version '0.20.1'", checkout)
 
 
-def test_cli_dirty_tree(checkout: Checkout) -> None:
-    tree = next((checkout.cache / "trees").iterdir())
-    (tree / "setup.py").write_text("# oops\n")
-    r = checkout.cli("build", "--source", "sdist")
+def test_cli_dirty_tree(checkout: Checkout, tmp_path: Path) -> None:
+    """A user's tree with local changes is refused; the cache's own tree (ours) is reset, loudly, and reused."""
+    tree = next(p for p in (checkout.cache / "trees").iterdir() if p.is_dir())
+    mine = tmp_path / "my-tree"
+    git(tmp_path, "clone", "-q", "--shared", str(tree), str(mine))
+    (mine / "setup.py").write_text("# my work\n")
+    r = checkout.cli("source", "--source", "sdist", "--dest", str(mine))
     assert_one_line_error(r, 7, "has local changes", checkout)
+    assert (mine / "setup.py").read_text() == "# my work\n"  # never touched
+
+    (tree / "setup.py").write_text("# left by a killed run\n")
+    r = checkout.cli("build", "--source", "sdist", "--platform", "x86_64")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resetting the cached tree {tree} (ours" in r.stdout
+    assert (tree / "setup.py").read_text() != "# left by a killed run\n"
