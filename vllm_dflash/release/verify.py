@@ -153,15 +153,7 @@ def _verify(target: Path, options: VerifyOptions) -> VerifyResult:
     for name in sorted(must - present):
         raise VerifyError(f"{name}: listed in {layout.SUMS} but missing", _RESTORE)
 
-    # 1. Every file's sha256.
-    checked: list[str] = [layout.SUMS]
-    for name in sorted(wanted & present):
-        got = sha256_file(directory / name)
-        if got != listed[name]:
-            raise VerifyError(f"{name}: sha256 {got} differs from the {listed[name]} {layout.SUMS} lists", _RESTORE)
-        checked.append(name)
-
-    # 2. Signatures.
+    # 1. Signatures, SHA256SUMS's first: it vouches for every other hash.
     signed_files = [n for n, m in members.items() if m.kind in (Kind.ENVELOPE, Kind.PUBLIC_KEY)]
     signed = bool(signed_files) or layout.SUMS_ENVELOPE in present
     key: Ed25519PublicKey | None = None
@@ -173,8 +165,18 @@ def _verify(target: Path, options: VerifyOptions) -> VerifyResult:
         key, authenticated = _signing_key(directory, listed, options)
         if layout.SUMS_ENVELOPE not in present:
             raise VerifyError(f"{layout.SUMS_ENVELOPE}: missing from a signed release", _RESTORE)
-        _check_envelope(directory / layout.SUMS_ENVELOPE, dsse.SUMS_PAYLOAD_TYPE, sums_raw, key)
-        checked.append(layout.SUMS_ENVELOPE)
+        _check_envelope(directory / layout.SUMS_ENVELOPE, dsse.SUMS_PAYLOAD_TYPE, layout.SUMS, sums_raw, key)
+
+    # 2. Every file's sha256.
+    checked: list[str] = [layout.SUMS, *([layout.SUMS_ENVELOPE] if key is not None else [])]
+    for name in sorted(wanted & present):
+        got = sha256_file(directory / name)
+        if got != listed[name]:
+            raise VerifyError(
+                f"{name}: sha256 {got[:16]}… but {layout.SUMS} lists {listed[name][:16]}… (one of them was altered)",
+                _RESTORE,
+            )
+        checked.append(name)
 
     # 3. Per wheel.
     verified: list[VerifiedWheel] = []
@@ -192,7 +194,9 @@ def _verify(target: Path, options: VerifyOptions) -> VerifyResult:
         if key is not None:
             if envelope not in listed:
                 raise VerifyError(f"{envelope}: missing from a signed release", _RESTORE)
-            _check_envelope(directory / envelope, dsse.INTOTO_PAYLOAD_TYPE, statement_raw, key)
+            _check_envelope(
+                directory / envelope, dsse.INTOTO_PAYLOAD_TYPE, layout.statement_name(wheel), statement_raw, key
+            )
         verified.append(_wheel_reports(directory, facts, members, options))
 
     # 4. Notes.
@@ -230,10 +234,10 @@ def _signing_key(directory: Path, listed: Mapping[str, str], options: VerifyOpti
     )
 
 
-def _check_envelope(path: Path, payload_type: str, expected: bytes, key: Ed25519PublicKey) -> None:
+def _check_envelope(path: Path, payload_type: str, signed: str, expected: bytes, key: Ed25519PublicKey) -> None:
     payload, sigs = dsse.open_envelope(_read(path), path.name, payload_type)
     if payload != expected:
-        raise VerifyError(f"{path.name}: its payload is not the file it signs", _RESTORE)
+        raise VerifyError(f"{path.name}: signs another {signed} than the one here (one of them was altered)", _RESTORE)
     dsse.check_signature(payload_type, payload, sigs, key, path.name)
 
 
