@@ -520,3 +520,19 @@ def test_publish_plan(
     # A release without the aarch64 wheel at all.
     one = make_release(manifest, [built["x86_64"].path], tmp_path / "one", ReleaseOptions(reports=(reports["x86_64"],)))
     assert publish_plan(one.directory, manifest).refused[0].refusal == "the release has no wheel for it"
+
+
+def test_sbom_timestamp_only_when_given(manifest: Manifest, signed: Release) -> None:
+    from datetime import UTC, datetime
+
+    from vllm_dflash.release import source_material
+
+    facts = read_facts(signed.wheels[0].path)
+    source = source_material(manifest, facts)
+    when = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+    stamped = sbom.build_sbom(facts, source, when)
+    assert stamped == sbom.build_sbom(facts, source, when)
+    assert json.loads(stamped)["metadata"]["timestamp"].startswith("2026-11-29T12:00:00")
+    assert sbom.schema_problem(stamped) is None
+    assert stamped != signed.wheels[0].sbom.read_bytes()  # and its serial differs: the content does
+    sbom.check_sbom(stamped, facts, "stamped")
