@@ -536,3 +536,25 @@ def test_sbom_timestamp_only_when_given(manifest: Manifest, signed: Release) -> 
     assert sbom.schema_problem(stamped) is None
     assert stamped != signed.wheels[0].sbom.read_bytes()  # and its serial differs: the content does
     sbom.check_sbom(stamped, facts, "stamped")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_signatures_check_out_with_openssl(signed: Release, keys: dict[str, Path], tmp_path: Path) -> None:
+    """An independent implementation agrees: DSSE v1 PAE, Ed25519, keyid = sha256 of the DER public key."""
+    import base64
+
+    der = subprocess.run(
+        ["openssl", "pkey", "-pubin", "-in", str(keys["public"]), "-outform", "DER"], capture_output=True, check=True
+    ).stdout
+    assert hashlib.sha256(der).hexdigest() == signed.key_id
+    for env_path in [w.envelope for w in signed.wheels] + [signed.directory / layout.SUMS_ENVELOPE]:
+        assert env_path is not None
+        env = json.loads(env_path.read_bytes())
+        body, ptype = base64.b64decode(env["payload"]), env["payloadType"].encode()
+        (tmp_path / "pae").write_bytes(b"DSSEv1 %d %s %d %s" % (len(ptype), ptype, len(body), body))
+        (tmp_path / "sig").write_bytes(base64.b64decode(env["signatures"][0]["sig"]))
+        assert env["signatures"][0]["keyid"] == signed.key_id
+        cmd = ["openssl", "pkeyutl", "-verify", "-pubin", "-inkey", str(keys["public"]), "-rawin"]
+        cmd += ["-in", str(tmp_path / "pae"), "-sigfile", str(tmp_path / "sig")]
+        ok = subprocess.run(cmd, capture_output=True, text=True)
+        assert ok.returncode == 0 and "Signature Verified Successfully" in ok.stdout, ok.stdout + ok.stderr

@@ -57,10 +57,14 @@ def publish_plan(
     platforms: Sequence[str] | None = None,
     options: VerifyOptions | None = None,
 ) -> PublishPlan:
-    """Verify the release (VerifyError, exit 17, when it does not), then decide per platform."""
-    from vllm_dflash.publish import ArtifactId, check_gate
+    """Verify the release (VerifyError, exit 17, when it does not), then decide per platform.
 
-    result = verify(release_dir, options or VerifyOptions())
+    `options` default: no signature required, reports checked with $VLLM_DFLASH_REPORT_KEY when set (as publish).
+    """
+    from vllm_dflash.publish import ArtifactId, check_gate
+    from vllm_dflash.report import key_from_env
+
+    result = verify(release_dir, options or VerifyOptions(report_key=key_from_env()))
     if result.partial:
         raise PublishRefusedError(f"{release_dir} is one artifact, not a release directory", "pass the directory")
     wanted = tuple(platforms) if platforms is not None else tuple(sorted(manifest.wheels))
