@@ -1,0 +1,197 @@
+"""What a release says about a wheel, read from the wheel itself: its file hash, METADATA, WHEEL tags and the
+build provenance document it carries. Nothing here looks at the checkout.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import email.policy
+import re
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_dflash import provenance as prov
+from vllm_dflash.errors import DflashError, ProvenanceError, VerifyError
+from vllm_dflash.fetch import sha256_file
+from vllm_dflash.manifest import Manifest
+
+# manylinux_2_35_x86_64, manylinux2014_aarch64, musllinux_1_2_x86_64, linux_x86_64 -> the machine part.
+_PLATFORM_TAG = re.compile(r"^(?:manylinux_\d+_\d+|manylinux\d+|musllinux_\d+_\d+|linux)_(?P<machine>[a-z0-9_]+)$")
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """One Requires-Dist line of the wheel's METADATA, kept verbatim, with its parts for display."""
+
+    line: str  # exactly as METADATA has it
+    name: str  # as written
+    canonical: str  # PEP 503 normalised (what purls use)
+    specifier: str  # PEP 440 specifier set, '' when unconstrained ("torch==2.11.0" -> "==2.11.0")
+    marker: str  # PEP 508 environment marker, '' when none
+    extras: tuple[str, ...]  # extras requested of the dependency ("fastapi[standard]" -> ("standard",))
+    for_extra: str  # the wheel's own extra this line belongs to ('' for a base requirement)
+
+    @property
+    def exact_version(self) -> str | None:
+        """The version when the specifier is a single exact pin (`==X`, no wildcard), else None: a range."""
+        m = re.fullmatch(r"==\s*([^*,;\s]+)", self.specifier)
+        return m.group(1) if m else None
+
+
+@dataclass(frozen=True)
+class WheelFacts:
+    path: Path
+    filename: str
+    sha256: str
+    size: int
+    name: str  # METADATA Name
+    version: str  # METADATA Version
+    summary: str
+    license_expression: str | None
+    requires_python: str | None
+    requirements: tuple[Requirement, ...]
+    platform: str  # machine from the platform tag: x86_64, aarch64, or "any"
+    platform_tags: tuple[str, ...]  # as the file name has them
+    provenance: prov.Provenance
+
+
+def _fail(error: type[DflashError], where: str, what: str) -> DflashError:
+    return error(f"{where}: {what}", "use a wheel built by `vllm-dflash build`")
+
+
+def parse_requirement(line: str) -> Requirement:
+    from packaging.requirements import InvalidRequirement
+    from packaging.requirements import Requirement as Pep508
+    from packaging.utils import canonicalize_name
+
+    try:
+        req = Pep508(line)
+    except InvalidRequirement as exc:
+        raise ValueError(f"Requires-Dist {line!r} is not PEP 508: {exc}") from None
+    marker = str(req.marker) if req.marker is not None else ""
+    extra = re.search(r"""\bextra\s*==\s*["']([^"']+)["']""", marker)
+    return Requirement(
+        line=line,
+        name=req.name,
+        canonical=str(canonicalize_name(req.name)),
+        specifier=str(req.specifier),
+        marker=marker,
+        extras=tuple(sorted(req.extras)),
+        for_extra=extra.group(1) if extra else "",
+    )
+
+
+def machine_of(tags: tuple[str, ...], where: str, error: type[DflashError] = VerifyError) -> str:
+    """The one machine a set of platform tags names ("any" for pure wheels)."""
+    machines: set[str] = set()
+    for tag in tags:
+        if tag == "any":
+            machines.add("any")
+            continue
+        m = _PLATFORM_TAG.match(tag)
+        if not m:
+            raise _fail(error, where, f"platform tag {tag!r} names no Linux machine")
+        machines.add(m.group("machine"))
+    if len(machines) != 1:
+        raise _fail(error, where, f"platform tags {sorted(tags)} name {len(machines)} machines, not one")
+    return machines.pop()
+
+
+def read_facts(wheel: Path, error: type[DflashError] = VerifyError, sha256: str | None = None) -> WheelFacts:
+    """Everything the release says about `wheel`, from the wheel. Any problem is one `error` line."""
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+    where = wheel.name
+    try:
+        _, _, _, tags = parse_wheel_filename(wheel.name)
+    except InvalidWheelFilename as exc:
+        raise _fail(error, where, f"not a wheel file name ({exc})") from None
+    file_tags = tuple(sorted({t.platform for t in tags}))
+    platform = machine_of(file_tags, where, error)
+    try:
+        provenance = prov.read_wheel(wheel)
+    except ProvenanceError as exc:
+        raise error(exc.message, exc.hint) from None
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            dist_infos = sorted(
+                {n.split("/", 1)[0] for n in zf.namelist() if n.split("/", 1)[0].endswith(".dist-info")}
+            )
+            if len(dist_infos) != 1:
+                raise _fail(error, where, f"has {len(dist_infos)} .dist-info directories, not one")
+            metadata_raw = zf.read(f"{dist_infos[0]}/METADATA")
+            wheel_raw = zf.read(f"{dist_infos[0]}/WHEEL")
+    except KeyError as exc:
+        raise _fail(error, where, f"lacks {exc.args[0]}") from None
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise _fail(error, where, f"is not a readable wheel ({exc})") from None
+
+    parser = email.parser.BytesParser(policy=email.policy.compat32)
+    meta = parser.parsebytes(metadata_raw, headersonly=True)
+    name, version = meta.get("Name"), meta.get("Version")
+    if not name or not version:
+        raise _fail(error, where, "METADATA lacks Name or Version")
+    if version != provenance.version:
+        raise _fail(error, where, f"METADATA Version {version} differs from its provenance's {provenance.version}")
+    wheel_meta = parser.parsebytes(wheel_raw, headersonly=True)
+    # WHEEL may keep the build's own tag (upstream's says linux_x86_64 under a manylinux file name): the machine
+    # must agree, the policy tag need not.
+    meta_tags = tuple(sorted({t.rsplit("-", 1)[-1] for t in wheel_meta.get_all("Tag") or []}))
+    if meta_tags and machine_of(meta_tags, f"{where} WHEEL", error) != platform:
+        raise _fail(error, where, f"its WHEEL tags {list(meta_tags)} name another machine than its file name")
+    try:
+        requirements = tuple(parse_requirement(str(r)) for r in meta.get_all("Requires-Dist") or [])
+    except ValueError as exc:
+        raise _fail(error, where, str(exc)) from None
+    lic = meta.get("License-Expression")
+    return WheelFacts(
+        path=wheel,
+        filename=wheel.name,
+        sha256=sha256 or sha256_file(wheel),
+        size=wheel.stat().st_size,
+        name=str(name),
+        version=str(version),
+        summary=str(meta.get("Summary") or ""),
+        license_expression=str(lic) if lic else None,
+        requires_python=str(meta.get("Requires-Python")) if meta.get("Requires-Python") else None,
+        requirements=requirements,
+        platform=platform,
+        platform_tags=file_tags,
+        provenance=provenance,
+    )
+
+
+@dataclass(frozen=True)
+class SourceMaterial:
+    """The upstream source a wheel was built from: the hash-pinned sdist, or a git commit."""
+
+    kind: str  # "sdist" | "git"
+    version: str
+    git_url: str
+    commit: str
+    filename: str | None = None  # sdist only
+    sha256: str | None = None  # sdist only
+
+
+def source_material(manifest: Manifest, facts: WheelFacts, error: type[DflashError] = VerifyError) -> SourceMaterial:
+    """The upstream source of `facts`' wheel.
+
+    The provenance document names the source kind and commit but not the sdist's hash, so that comes from the
+    manifest's pin, and only when the wheel's provenance says it was built from exactly that pin.
+    """
+    up = facts.provenance.upstream
+    pin = manifest.upstream
+    if (up.version, up.tag, up.commit_pinned) != (pin.version, pin.tag, pin.commit):
+        raise error(
+            f"{facts.filename} was built from upstream {up.tag} ({up.commit_pinned}), dist.toml pins {pin.tag} "
+            f"({pin.commit})",
+            "make the release from the checkout that built the wheel",
+        )
+    if up.source_kind == "sdist":
+        return SourceMaterial(
+            "sdist", up.version, up.git_url, up.commit, manifest.sdist.filename, manifest.sdist.sha256
+        )
+    if up.source_kind == "git":
+        return SourceMaterial("git", up.version, up.git_url, up.commit)
+    raise error(f"{facts.filename}: unknown upstream source kind {up.source_kind!r}", "rebuild the wheel")
