@@ -28,6 +28,7 @@ from vllm_dflash.fetch import fetch
 from vllm_dflash.manifest import Manifest, load_manifest
 from vllm_dflash.pipeline.patches import PatchedTree, apply_series, read_series
 from vllm_dflash.pipeline.wheel import PROVENANCE_PATH, VERSION_PY, WheelResult, build_fast_wheel
+from vllm_dflash.publish import publish_plan
 from vllm_dflash.release import (
     ImageRef,
     Release,
@@ -35,7 +36,6 @@ from vllm_dflash.release import (
     VerifyOptions,
     layout,
     make_release,
-    publish_plan,
     read_facts,
     sbom,
     statement,

@@ -28,6 +28,21 @@ class UpstreamRef:
     commit: str  # the full SHA from git, or the abbreviated id the sdist records
     commit_pinned: str
     source_kind: str  # "git" | "sdist"
+    sdist_filename: str | None = None  # the hash-pinned sdist the tree was unpacked from (source_kind "sdist")
+    sdist_sha256: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "version": self.version,
+            "tag": self.tag,
+            "git_url": self.git_url,
+            "commit": self.commit,
+            "commit_pinned": self.commit_pinned,
+            "source_kind": self.source_kind,
+        }
+        if self.sdist_filename is not None:
+            out["sdist"] = {"filename": self.sdist_filename, "sha256": self.sdist_sha256}
+        return out
 
 
 @dataclass(frozen=True)
@@ -102,7 +117,7 @@ class Provenance:
         out: dict[str, Any] = {
             "schema": SCHEMA,
             "version": self.version,
-            "upstream": dict(self.upstream.__dict__),
+            "upstream": self.upstream.as_dict(),
             "fork": dict(self.fork.__dict__),
             "patches": [p.as_dict() for p in self.patches],
             "build": self.build.as_dict(),
@@ -151,6 +166,7 @@ def from_dict(data: Any, where: str = PATH) -> Provenance:
             f"{where} has schema {data.get('schema')!r}, this tool reads {SCHEMA}", "use the matching vllm-dflash"
         )
     up = _table(data, "upstream", where)
+    sdist = _table(up, "sdist", f"{where}: upstream") if "sdist" in up else None
     fork = _table(data, "fork", where)
     build = _table(data, "build", where)
     patches = data.get("patches")
@@ -184,6 +200,8 @@ def from_dict(data: Any, where: str = PATH) -> Provenance:
             commit=_str(up, "commit", f"{where}: upstream"),
             commit_pinned=_str(up, "commit_pinned", f"{where}: upstream"),
             source_kind=_str(up, "source_kind", f"{where}: upstream"),
+            sdist_filename=_str(sdist, "filename", f"{where}: upstream.sdist") if sdist else None,
+            sdist_sha256=_str(sdist, "sha256", f"{where}: upstream.sdist") if sdist else None,
         ),
         fork=ForkRef(
             branch=_str(fork, "branch", f"{where}: fork"),

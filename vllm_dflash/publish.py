@@ -1,4 +1,5 @@
-"""`vllm-dflash publish ARTIFACT --to URL --report FILE`: publish only what a passing validation report names.
+"""Publish only what a passing validation report names: one artifact (`publish ARTIFACT --to URL --report FILE`)
+or a whole release directory (`publish RELEASE_DIR --to DIR`), where every platform's wheel needs its own report.
 
 The gate has no override. It demands a report that (1) verifies against its seal (and HMAC when
 $VLLM_DFLASH_REPORT_KEY is set), (2) says "pass", (3) names this exact artifact -- the wheel file's sha256 or the
@@ -14,15 +15,19 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from vllm_dflash import proc
 from vllm_dflash import report as reports
-from vllm_dflash.errors import ContainerError, PublishRefusedError, ToolchainError
+from vllm_dflash.errors import ContainerError, DflashError, PublishRefusedError, ToolchainError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest
+from vllm_dflash.paths import copy_atomic
+from vllm_dflash.release import layout
+from vllm_dflash.release.verify import VerifyOptions, VerifyResult, verify
 from vllm_dflash.report import ValidationReport
 
 _REFUSE_HINT = "run `vllm-dflash validate` on a GPU node for this artifact and pass its report with --report"
@@ -205,3 +210,131 @@ def publish(
         publish_image(ident.name, to, container_tool)
         destination = to
     return PublishResult(artifact=ident, destination=destination, profile=rep.profile_name, report=report)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A whole release: what may be published, per platform
+
+
+@dataclass(frozen=True)
+class PlatformDecision:
+    platform: str
+    wheel: Path | None
+    sha256: str | None
+    report: Path | None  # the report that passed the gate
+    profile: str | None
+    refusal: str | None  # why not, when refused
+
+    @property
+    def publishable(self) -> bool:
+        return self.refusal is None
+
+
+@dataclass(frozen=True)
+class PublishPlan:
+    release: VerifyResult
+    decisions: tuple[PlatformDecision, ...]
+    files: tuple[Path, ...]  # every file of the release, to publish together
+
+    @property
+    def refused(self) -> tuple[PlatformDecision, ...]:
+        return tuple(d for d in self.decisions if not d.publishable)
+
+    def require_all(self) -> None:
+        """PublishRefusedError (exit 12, one line) unless every platform has a passing report for its wheel."""
+        if self.refused:
+            raise PublishRefusedError(
+                "; ".join(f"{d.platform}: {d.refusal}" for d in self.refused),
+                "validate each platform's wheel on a GPU node of that platform and make the release with its report",
+            )
+
+
+def publish_plan(
+    release_dir: Path,
+    manifest: Manifest,
+    platforms: Sequence[str] | None = None,
+    options: VerifyOptions | None = None,
+) -> PublishPlan:
+    """Verify the release (VerifyError, exit 17, when it does not), then decide per platform.
+
+    `options` default: no signature required, reports checked with $VLLM_DFLASH_REPORT_KEY when set (as publish).
+    """
+    result = verify(release_dir, options or VerifyOptions(report_key=reports.key_from_env()))
+    if result.partial:
+        raise PublishRefusedError(f"{release_dir} is one artifact, not a release directory", "pass the directory")
+    wanted = tuple(platforms) if platforms is not None else tuple(sorted(manifest.wheels))
+    by_platform = {w.platform: w for w in result.wheels}
+    decisions: list[PlatformDecision] = []
+    for plat in wanted:
+        w = by_platform.get(plat)
+        if w is None:
+            decisions.append(PlatformDecision(plat, None, None, None, None, "the release has no wheel for it"))
+            continue
+        path = release_dir / w.filename
+        ident = ArtifactId(kind="wheel", name=w.filename, sha256=w.sha256, path=path)
+        reasons: list[str] = []
+        chosen: PlatformDecision | None = None
+        for rep in w.reports:
+            try:
+                passed = check_gate(release_dir / rep.name, ident, manifest)
+            except DflashError as exc:
+                reasons.append(f"{rep.name}: {exc.message}")
+                continue
+            chosen = PlatformDecision(plat, path, w.sha256, release_dir / rep.name, passed.profile_name, None)
+            break
+        if chosen is None:
+            why = "; ".join(reasons) if reasons else f"no validation report for {w.filename} is attached"
+            chosen = PlatformDecision(plat, path, w.sha256, None, None, why)
+        decisions.append(chosen)
+    files = tuple(release_dir / n for n in sorted(set(result.files) | {layout.SUMS}))
+    return PublishPlan(release=result, decisions=tuple(decisions), files=files)
+
+
+@dataclass(frozen=True)
+class ReleasePublished:
+    plan: PublishPlan
+    index: str  # where the wheels went
+    files_dir: Path | None  # where the release's other files went
+
+
+def publish_release(
+    manifest: Manifest,
+    release_dir: Path,
+    to: str,
+    platforms: Sequence[str] | None = None,
+    attach_to: Path | None = None,
+) -> ReleasePublished:
+    """Publish a verified release: every platform's wheel with its passing report (any platform without one refuses
+    the whole release), then the release's other files (sums, SBOMs, statements, signatures, notes, reports).
+
+    A local index (directory or file:// URL) gets the wheels in its PEP 503 tree and the release files under
+    `releases/<version>/`; an upload URL gets the wheels through twine, and `attach_to` the release files.
+    """
+    plan = publish_plan(release_dir, manifest, platforms)
+    plan.require_all()
+    local = _local_dir(to)
+    if local is None and attach_to is None:
+        raise PublishRefusedError(
+            f"{to} is an upload URL, which carries wheels only, not the release's sums, SBOMs and provenance",
+            "pass --attach-to DIR for those files (or publish to a directory index)",
+        )
+    version = plan.release.wheels[0].version if plan.release.wheels else "unknown"
+    files_dir = (local / "releases" / version) if local is not None else attach_to
+    assert files_dir is not None
+    wheels = [d.wheel for d in plan.decisions if d.wheel is not None]
+    if local is not None:
+        for wheel in wheels:
+            index = publish_wheel_local(wheel, local.resolve())
+        destination = index.as_uri()
+    else:
+        for wheel in wheels:
+            publish_wheel_twine(wheel, to)
+        destination = to
+    for path in plan.files:
+        if path.suffix == ".whl":
+            continue
+        dest = files_dir / path.name
+        if dest.exists() and dest.read_bytes() != path.read_bytes():
+            raise PublishRefusedError(f"{dest} already exists with different content", "published files are immutable")
+        copy_atomic(path, dest)
+    return ReleasePublished(plan=plan, index=destination, files_dir=files_dir)

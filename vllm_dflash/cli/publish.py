@@ -7,25 +7,48 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dflash.cli.common import manifest
-from vllm_dflash.publish import publish
+from vllm_dflash.errors import PublishRefusedError
+from vllm_dflash.manifest import MACHINES
+from vllm_dflash.publish import publish, publish_release
 
 
 def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "publish",
-        help="publish a wheel or image, only with a passing validation report naming it",
+        help="publish a wheel, an image or a whole release, only with passing validation reports naming them",
         description="Refuses unless --report is a sealed, passing report of a required profile for this exact "
-        "artifact. There is no way to skip the gate.",
+        "artifact; for a release directory, every platform's wheel needs its own attached report. There is no way "
+        "to skip the gate.",
     )
-    p.add_argument("artifact", help="a .whl file, or a local container image reference")
+    p.add_argument("artifact", help="a .whl file, a release directory (vllm-dflash release), or a local image")
     p.add_argument("--to", required=True, help="wheel: index directory / file:// URL or twine upload URL; image: ref")
     p.add_argument("--report", type=Path, default=None, help="the validation report (validate --report)")
     p.add_argument("--container-tool", default="docker", help="docker or podman (images)")
+    p.add_argument(
+        "--platform",
+        action="append",
+        choices=MACHINES,
+        default=None,
+        help="release: publish only these platforms (default: every platform dist.toml pins)",
+    )
+    p.add_argument("--attach-to", type=Path, default=None, help="release to an upload URL: where the other files go")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    result = publish(manifest(args), args.artifact, args.to, args.report, args.container_tool)
+    m = manifest(args)
+    if Path(args.artifact).is_dir():
+        if args.report is not None:
+            raise PublishRefusedError(
+                "--report is for a single artifact; a release carries its reports",
+                "attach them with `release --report`",
+            )
+        done = publish_release(m, Path(args.artifact), args.to, args.platform, args.attach_to)
+        for d in done.plan.decisions:
+            print(f"published {d.platform} {d.wheel.name if d.wheel else '-'} (report {d.report}, profile {d.profile})")
+        print(f"index: {done.index}\nrelease files: {done.files_dir}", flush=True)
+        return 0
+    result = publish(m, args.artifact, args.to, args.report, args.container_tool)
     print(
         f"published {result.artifact.name} ({result.artifact.sha256}) to {result.destination} "
         f"(report {result.report}, profile {result.profile})",

@@ -90,6 +90,8 @@ def make_provenance(
             commit=src.commit,
             commit_pinned=manifest.upstream.commit,
             source_kind=src.kind,
+            sdist_filename=manifest.sdist.filename if src.kind == "sdist" else None,
+            sdist_sha256=manifest.sdist.sha256 if src.kind == "sdist" else None,
         ),
         fork=ForkRef(branch=patched.branch, base=patched.base, head=patched.head),
         patches=tuple(

@@ -4,7 +4,6 @@ optional DSSE signatures, release notes and the validation reports that name the
 Plain functions for the CLI and publish (no argument parsing here):
     make_release(manifest, wheels, out_dir, ReleaseOptions(...)) -> Release
     verify(path, VerifyOptions(...)) -> VerifyResult                    (VerifyError, exit 17, one line)
-    publish_plan(release_dir, manifest, platforms=None, options) -> PublishPlan   (.require_all())
     release_notes(wheels, source, reports, images, signed_by, index_url) -> str
 The layout is documented in `layout.py`.
 """
@@ -13,7 +12,6 @@ from __future__ import annotations
 
 from vllm_dflash.release.dsse import write_keypair
 from vllm_dflash.release.facts import SourceMaterial, WheelFacts, read_facts, source_material
-from vllm_dflash.release.gate import PlatformDecision, PublishPlan, publish_plan
 from vllm_dflash.release.make import Release, ReleasedWheel, ReleaseOptions, make_release
 from vllm_dflash.release.notes import AttachedReport, ImageRef, release_notes
 from vllm_dflash.release.verify import VerifiedReport, VerifiedWheel, VerifyOptions, VerifyResult, verify
@@ -21,8 +19,6 @@ from vllm_dflash.release.verify import VerifiedReport, VerifiedWheel, VerifyOpti
 __all__ = [
     "AttachedReport",
     "ImageRef",
-    "PlatformDecision",
-    "PublishPlan",
     "Release",
     "ReleaseOptions",
     "ReleasedWheel",
@@ -33,7 +29,6 @@ __all__ = [
     "VerifyResult",
     "WheelFacts",
     "make_release",
-    "publish_plan",
     "read_facts",
     "release_notes",
     "source_material",

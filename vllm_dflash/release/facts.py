@@ -175,12 +175,14 @@ class SourceMaterial:
 
 
 def source_material(manifest: Manifest, facts: WheelFacts, error: type[DflashError] = VerifyError) -> SourceMaterial:
-    """The upstream source of `facts`' wheel.
+    """The upstream source of `facts`' wheel, from its provenance document (sdist name and hash included).
 
-    The provenance document names the source kind and commit but not the sdist's hash, so that comes from the
-    manifest's pin, and only when the wheel's provenance says it was built from exactly that pin.
+    Wheels from before the document recorded the sdist get its hash from the manifest's pin, and only when the
+    wheel's provenance says it was built from exactly that pin.
     """
     up = facts.provenance.upstream
+    if up.source_kind == "sdist" and up.sdist_filename and up.sdist_sha256:
+        return SourceMaterial("sdist", up.version, up.git_url, up.commit, up.sdist_filename, up.sdist_sha256)
     pin = manifest.upstream
     if (up.version, up.tag, up.commit_pinned) != (pin.version, pin.tag, pin.commit):
         raise error(

@@ -1,0 +1,103 @@
+"""`release` (checksums, SBOM, provenance, signatures and notes next to the wheels) and `verify`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+from pathlib import Path
+from typing import Any
+
+from vllm_dflash import report as reports
+from vllm_dflash.cli.common import manifest
+from vllm_dflash.errors import ManifestError
+from vllm_dflash.release import ImageRef, ReleaseOptions, VerifyOptions, make_release, verify
+from vllm_dflash.release.statement import DEFAULT_BUILDER_ID
+
+SIGN_KEY_PASSWORD_ENV = "VLLM_DFLASH_SIGN_KEY_PASSWORD"
+
+
+def register(sub: Any) -> None:
+    r: argparse.ArgumentParser = sub.add_parser(
+        "release",
+        help="write a release directory: wheels, SHA256SUMS, SBOMs, in-toto provenance, signatures, notes",
+        description="Make a release of built wheels (every fact read from the wheels themselves). The same inputs "
+        "give byte-identical files. Exit 16 for a wheel without provenance, 17 for inconsistent inputs.",
+    )
+    r.add_argument("wheels", nargs="*", type=Path, help="the wheels (default: this version's wheels in dist/)")
+    r.add_argument("--out", type=Path, default=None, help="release directory (default: dist/release)")
+    r.add_argument("--report", action="append", type=Path, default=[], help="a validation report to attach")
+    r.add_argument("--sign-key", type=Path, default=None, help="PEM Ed25519 private key: sign (DSSE) the release")
+    r.add_argument(
+        "--image", action="append", default=[], metavar="REPO@sha256:HEX[=PLATFORM]", help="an image to name"
+    )
+    r.add_argument("--builder-id", default=DEFAULT_BUILDER_ID, help="SLSA builder id (a CI system sets its own)")
+    r.add_argument("--index-url", default=None, help="the index the notes' install command names")
+    r.add_argument("--copy", action="store_true", help="copy the wheels instead of hard-linking them")
+    r.set_defaults(func=run_release)
+
+    v: argparse.ArgumentParser = sub.add_parser(
+        "verify",
+        help="check a release (or one artifact in it): sums, SBOM, provenance, signature, report binding",
+        description="Exit 0 when everything verifies; 17 with one line naming the file when anything does not.",
+    )
+    v.add_argument("path", type=Path, help="a release directory, or a file in one")
+    v.add_argument(
+        "--key", action="append", type=Path, default=[], help="PEM Ed25519 public key it must be signed with"
+    )
+    v.add_argument("--require-signature", action="store_true", help="refuse an unsigned release")
+    v.set_defaults(func=run_verify)
+
+
+def _image(spec: str) -> ImageRef:
+    ref, _, plat = spec.partition("=")
+    repo, sep, digest = ref.partition("@")
+    if not sep:
+        raise ManifestError(f"--image {spec} is not REPO@sha256:HEX[=PLATFORM]", "name the image by its digest")
+    return ImageRef(repo, digest, plat or None)
+
+
+def _timestamp() -> dt.datetime | None:
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if not epoch:
+        return None
+    if not epoch.isdigit():
+        raise ManifestError(f"SOURCE_DATE_EPOCH={epoch!r} is not a number of seconds", "unset it or fix it")
+    return dt.datetime.fromtimestamp(int(epoch), dt.UTC)
+
+
+def run_release(args: argparse.Namespace) -> int:
+    m = manifest(args)
+    wheels = [w.resolve() for w in args.wheels] or sorted(m.dist_dir.glob(f"vllm-{m.version}-*.whl"))
+    if not wheels:
+        raise ManifestError(f"no wheels of vllm {m.version} in {m.dist_dir}", "run `vllm-dflash build` first")
+    for w in wheels:
+        if not w.is_file():
+            raise ManifestError(f"{w}: no such wheel", "pass wheels built by `vllm-dflash build`")
+    password = os.environ.get(SIGN_KEY_PASSWORD_ENV)
+    options = ReleaseOptions(
+        sign_key=args.sign_key,
+        sign_key_password=password.encode() if password else None,
+        reports=tuple(args.report),
+        report_key=reports.key_from_env(),
+        images=tuple(_image(s) for s in args.image),
+        builder_id=args.builder_id,
+        timestamp=_timestamp(),
+        index_url=args.index_url,
+        link=not args.copy,
+    )
+    rel = make_release(m, wheels, (args.out or m.dist_dir / "release").resolve(), options)
+    print(f"release {rel.directory}: {len(rel.files)} files for {', '.join(w.platform for w in rel.wheels)}")
+    print(rel.directory)
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    result = verify(
+        args.path.resolve(),
+        VerifyOptions(
+            public_keys=tuple(args.key), require_signature=args.require_signature, report_key=reports.key_from_env()
+        ),
+    )
+    print(result.summary())
+    return 0
