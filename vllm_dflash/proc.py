@@ -1,20 +1,43 @@
-"""The one way this package runs an external command: echoed as `+ cmd`, failures turned into DflashError."""
+"""The one way this package runs an external command: echoed as `+ cmd`, failures turned into DflashError.
+
+A failing command's last lines of output are part of the error (bounded), also when its output went straight to
+the terminal: stderr is passed through line by line and its tail kept.
+"""
 
 from __future__ import annotations
 
+import collections
 import os
 import shlex
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 from vllm_dflash.errors import DflashError
+
+TAIL_LINES = 3  # lines of a failed command's output that go into the one-line error
+TAIL_CHARS = 600  # and at most this much of them
 
 
 def echo(args: Sequence[str | os.PathLike[str]], cwd: Path | None = None) -> None:
     where = f"(cd {shlex.quote(str(cwd))}) " if cwd else ""
     print(f"+ {where}{shlex.join(str(a) for a in args)}", file=sys.stderr, flush=True)
+
+
+def _tee(stream: IO[str], keep: collections.deque[str]) -> None:
+    for line in stream:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        if line.strip():
+            keep.append(line.rstrip("\n"))
+
+
+def tail_text(lines: Sequence[str]) -> str:
+    text = "; ".join(line.strip() for line in lines[-TAIL_LINES:] if line.strip()) or "no output"
+    return text if len(text) <= TAIL_CHARS else "…" + text[-TAIL_CHARS:]
 
 
 def call(
@@ -30,23 +53,43 @@ def call(
 ) -> subprocess.CompletedProcess[str]:
     """Run `args`, echoing it first. With `check`, a non-zero exit raises `error` with the tail of its output.
 
-    `env` entries are added to the current environment rather than replacing it.
+    `env` entries are added to the current environment rather than replacing it. Without `capture`, stdout goes to
+    the terminal as it comes and stderr is passed through too, its last lines kept for the error message.
     """
     if not quiet:
         echo(args, cwd)
     full_env = None if env is None else {**os.environ, **env}
-    result = subprocess.run(
-        [str(a) for a in args],
-        cwd=cwd,
-        env=full_env,
-        text=True,
-        input=input_text,
-        stdout=subprocess.PIPE if capture else None,
-        stderr=subprocess.PIPE if capture else None,
-        check=False,
-    )
+    argv = [str(a) for a in args]
+    try:
+        if capture:
+            result = subprocess.run(
+                argv, cwd=cwd, env=full_env, text=True, input=input_text, capture_output=True, check=False
+            )
+            lines = ((result.stderr or "") + (result.stdout or "")).strip().splitlines()
+        else:
+            keep: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+            with subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=full_env,
+                text=True,
+                errors="replace",
+                stdin=subprocess.PIPE if input_text is not None else None,
+                stderr=subprocess.PIPE,
+            ) as popen:
+                reader = threading.Thread(target=_tee, args=(popen.stderr, keep), daemon=True)
+                reader.start()
+                if input_text is not None and popen.stdin is not None:
+                    popen.stdin.write(input_text)
+                    popen.stdin.close()
+                code = popen.wait()
+                reader.join()
+            result = subprocess.CompletedProcess(argv, code, None, None)
+            lines = list(keep)
+    except FileNotFoundError:
+        raise error(f"`{argv[0]}` is not installed (or not on PATH)", hint or f"install {argv[0]}") from None
+    except OSError as exc:
+        raise error(f"cannot run `{argv[0]}`: {exc.strerror or exc}", hint) from None
     if check and result.returncode != 0:
-        tail = ((result.stderr or "") + (result.stdout or "")).strip().splitlines()[-3:]
-        detail = ("; ".join(tail)) if tail else "no output"
-        raise error(f"`{shlex.join(str(a) for a in args)}` exited {result.returncode}: {detail}", hint)
+        raise error(f"`{shlex.join(argv)}` exited {result.returncode}: {tail_text(lines)}", hint)
     return result

@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlparse
 
 from vllm_dflash import proc
 from vllm_dflash import report as reports
-from vllm_dflash.errors import ContainerError, DflashError, PublishRefusedError, ToolchainError
+from vllm_dflash.errors import ContainerError, DflashError, NetworkError, PublishRefusedError, ToolchainError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest
 from vllm_dflash.paths import copy_atomic
@@ -100,13 +100,42 @@ def check_gate(report_path: Path | None, artifact: ArtifactId, manifest: Manifes
 # Destinations
 
 
+UPLOAD_SCHEMES = ("http", "https")
+
+
 def _local_dir(to: str) -> Path | None:
+    """The directory a wheel destination names (a path or a file:// URL on this host), or None for an upload URL.
+
+    Checked before any work: an unsupported scheme, a file:// URL naming another host, or a destination that is a
+    file or cannot be created is one clear line, never a late failure.
+    """
     parsed = urlparse(to)
     if parsed.scheme == "file":
-        return Path(unquote(parsed.path))
-    if parsed.scheme == "" or len(parsed.scheme) == 1:  # plain path (or a Windows drive letter)
-        return Path(to)
-    return None
+        if parsed.netloc not in ("", "localhost"):
+            raise PublishRefusedError(
+                f"--to {to} names host '{parsed.netloc}'; a file:// destination must be on this machine",
+                "write file:///path (three slashes) or a plain path",
+            )
+        path = Path(unquote(parsed.path))
+    elif parsed.scheme == "":
+        path = Path(to)
+    elif parsed.scheme in UPLOAD_SCHEMES:
+        if not parsed.netloc:
+            raise PublishRefusedError(f"--to {to} has no host", "write e.g. https://upload.example.com/legacy/")
+        return None
+    else:
+        raise PublishRefusedError(
+            f"--to {to}: unsupported scheme '{parsed.scheme}'",
+            "use a directory, a file:// URL or an http(s):// upload URL",
+        )
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise PublishRefusedError(f"--to {to}: {probe} is a file, not a directory", "choose a directory for the index")
+    if not os.access(probe, os.W_OK):
+        raise PublishRefusedError(f"--to {to}: {probe} is not writable", "choose a directory you can write")
+    return path
 
 
 def normalize(name: str) -> str:
@@ -179,8 +208,8 @@ def publish_wheel_twine(wheel: Path, url: str) -> None:
         "--repository-url",
         url,
         wheel,
-        error=PublishRefusedError,
-        hint="check the URL and TWINE_USERNAME / TWINE_PASSWORD",
+        error=NetworkError,
+        hint="twine's reason is above; check the URL and TWINE_USERNAME / TWINE_PASSWORD",
     )
 
 
@@ -194,12 +223,12 @@ def publish(
     manifest: Manifest, artifact: str, to: str, report: Path | None, container_tool: str = "docker"
 ) -> PublishResult:
     """Gate, then publish. Nothing is written anywhere unless the gate passes."""
+    local = None if not artifact.endswith(".whl") else _local_dir(to)  # the destination first: before any work
     ident = identify(artifact, container_tool)
     rep = check_gate(report, ident, manifest)
     assert report is not None
     if ident.kind == "wheel":
         assert ident.path is not None
-        local = _local_dir(to)
         if local is not None:
             index = publish_wheel_local(ident.path, local.resolve())
             destination = index.as_uri()
@@ -310,9 +339,9 @@ def publish_release(
     A local index (directory or file:// URL) gets the wheels in its PEP 503 tree and the release files under
     `releases/<version>/`; an upload URL gets the wheels through twine, and `attach_to` the release files.
     """
+    local = _local_dir(to)  # the destination first: before any work
     plan = publish_plan(release_dir, manifest, platforms)
     plan.require_all()
-    local = _local_dir(to)
     if local is None and attach_to is None:
         raise PublishRefusedError(
             f"{to} is an upload URL, which carries wheels only, not the release's sums, SBOMs and provenance",

@@ -104,6 +104,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def check_url(url: str, flag: str) -> str:
+    """An http(s) URL with a host, checked before anything is started; MeasurementError otherwise."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise MeasurementError(f"{flag} {url} is not an http(s):// URL with a host", "write e.g. http://127.0.0.1:8000")
+    try:
+        parsed.port  # noqa: B018 -- raises on a malformed port
+    except ValueError:
+        raise MeasurementError(f"{flag} {url} has a malformed port", "write e.g. http://127.0.0.1:8000") from None
+    return url.rstrip("/")
+
+
 def http_get(url: str, timeout_s: float = 10.0) -> tuple[int, bytes]:
     """Status and body of a GET; (0, b'') when nothing answers."""
     try:
