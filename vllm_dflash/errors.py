@@ -4,17 +4,20 @@ from __future__ import annotations
 
 
 class DflashError(Exception):
-    """Base class: `message` says what is wrong, `hint` what to do about it."""
+    """Base class: `message` says what is wrong, `hint` what to do about it, both on one line. `detail` is optional
+    context of several lines (a server's log tail) that the CLI shows above that line."""
 
     return_code = 1
 
-    def __init__(self, message: str, hint: str = "") -> None:
+    def __init__(self, message: str, hint: str = "", detail: str = "") -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self.detail = detail
 
     def one_line(self) -> str:
-        return f"error: {self.message}" + (f" -- {self.hint}" if self.hint else "")
+        line = f"error: {self.message}" + (f" -- {self.hint}" if self.hint else "")
+        return " ".join(line.split())  # whatever a message quotes, the error stays one line
 
 
 class ManifestError(DflashError):

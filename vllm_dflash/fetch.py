@@ -12,7 +12,7 @@ from pathlib import Path
 
 from vllm_dflash.errors import HashMismatchError, NetworkError
 from vllm_dflash.manifest import Artifact
-from vllm_dflash.paths import confine
+from vllm_dflash.paths import confine, ensure_dir, storage_error, sweep_stale, temp_sibling
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 _CHUNK = 1 << 20
@@ -22,8 +22,7 @@ def cache_dir() -> Path:
     """Where downloads and work trees are cached: $VLLM_DFLASH_CACHE or ~/.cache/vllm-dflash."""
     env = os.environ.get("VLLM_DFLASH_CACHE")
     path = Path(env) if env else Path.home() / ".cache" / "vllm-dflash"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return ensure_dir(path, "cache directory ($VLLM_DFLASH_CACHE)")
 
 
 def index_url() -> str:
@@ -132,8 +131,8 @@ def fetch(artifact: Artifact, dest_dir: Path | None = None) -> Path:
     A cached copy whose hash no longer matches is removed and downloaded again; a fresh download that does not
     match raises HashMismatchError and is deleted, so no unverified file keeps the artifact's name.
     """
-    dest_dir = dest_dir or cache_dir() / "downloads"
-    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest_dir = ensure_dir(dest_dir or cache_dir() / "downloads")
+    sweep_stale(dest_dir)  # half-downloaded files of killed runs
     # The file name comes from dist.toml or an index answer: it must stay inside the downloads directory, or a
     # cached "copy" failing its hash would make us delete a file elsewhere.
     final = confine(dest_dir, artifact.filename, "artifact file name")
@@ -145,11 +144,13 @@ def fetch(artifact: Artifact, dest_dir: Path | None = None) -> Path:
             print(f"cached {final} fails its hash; downloading it again", flush=True)
             final.unlink()
     url, size = resolve(artifact)
-    part = final.with_name(f".{final.name}.{os.getpid()}.part")
+    part = temp_sibling(final, ".part")
     try:
         _download(url, part, size, artifact.filename)
         verify(part, artifact, size)
         os.replace(part, final)
+    except OSError as exc:  # the cache's disk, not the network (network faults are NetworkError already)
+        raise storage_error(exc, dest_dir, "download into") from None
     finally:
         part.unlink(missing_ok=True)
     return final

@@ -146,7 +146,8 @@ def temp_dir_beside(path: Path, prefix: str | None = None) -> Iterator[Path]:
 # ---------------------------------------------------------------------------------------------------------------
 # Leftovers of dead processes
 
-_PID_IN_NAME = re.compile(r"^\..+\.(?P<pid>\d+)(?:\.(?:tmp|part|unpack)|\.[A-Za-z0-9_]+)?$")
+# Only names we make (temp_sibling): `.<name>.<pid>.tmp|part|unpack`; nothing else in a directory is touched.
+_PID_IN_NAME = re.compile(r"^\..+\.(?P<pid>\d+)\.(?:tmp|part|unpack)$")
 
 
 def pid_alive(pid: int) -> bool:

@@ -35,6 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
         return code
     except DflashError as exc:
+        if exc.detail:
+            print(exc.detail.rstrip(), file=sys.stderr)
         print(exc.one_line(), file=sys.stderr)
         return exc.return_code
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ from typing import Any
 from vllm_dflash.cli.common import manifest
 from vllm_dflash.errors import ManifestError, MeasurementError
 from vllm_dflash.manifest import load_profile_file
+from vllm_dflash.validate.server import check_url
 from vllm_dflash.validate.smoke import ServerChoice, load_prompts, validate
 
 
@@ -52,6 +53,11 @@ def run(args: argparse.Namespace) -> int:
     if args.profile not in profiles:
         raise ManifestError(f"no profile '{args.profile}'", f"choose one of {sorted(profiles)}")
     profile = profiles[args.profile]
+    for flag, url in (("--endpoint", args.endpoint), ("--baseline-endpoint", args.baseline_endpoint)):
+        if url is not None:
+            check_url(url, flag)
+    if args.report is not None and args.report.is_dir():
+        raise MeasurementError(f"--report {args.report} is a directory", "name the report file to write")
     if args.wheel is not None and not args.wheel.is_file():
         raise MeasurementError(f"--wheel {args.wheel} does not exist", "pass the wheel file the server runs")
     prompts = load_prompts(args.prompts or profile.prompts, args.num_prompts or profile.num_prompts)

@@ -21,7 +21,7 @@ from vllm_dflash import provenance as prov
 from vllm_dflash.errors import HashMismatchError, ManifestError, PinMismatchError, UnsupportedModeError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest
-from vllm_dflash.paths import ensure_dir, sweep_stale, temp_sibling
+from vllm_dflash.paths import ensure_dir, storage_error, sweep_stale, temp_sibling
 from vllm_dflash.pipeline.model import (
     COMMIT_ID,
     PatchedTree,
@@ -192,7 +192,10 @@ def build_fast_wheel(
     tmp_dir = temp_sibling(final)
     tmp = tmp_dir / out_name
     shutil.rmtree(tmp_dir, ignore_errors=True)
-    tmp_dir.mkdir()
+    try:
+        tmp_dir.mkdir()
+    except OSError as exc:
+        raise storage_error(exc, out_dir, "write the wheel into") from None
     try:
         with zipfile.ZipFile(base_wheel) as src:
             infos = src.infolist()
@@ -295,6 +298,8 @@ def build_fast_wheel(
         verify_wheel(tmp, base_wheel, written)
         digest = sha256_file(tmp)
         tmp.replace(final)
+    except OSError as exc:  # a full disk or a read-only destination, mid-write: one line, nothing left behind
+        raise storage_error(exc, out_dir, "write the wheel into") from None
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     print(f"wheel {final} (sha256 {digest})", flush=True)

@@ -1,7 +1,7 @@
 """Reach a vLLM server for the acceptance smoke test: launch `vllm serve`, launch the image, or use a running one.
 
 Every mode gives the same `Server` view (base URL, log tail, provenance of what it serves) and stops only what it
-started. A wait for `/health` that times out or sees the process die raises MeasurementError with the log's tail.
+started. A wait for `/health` that times out or sees the process die raises MeasurementError carrying the log's tail.
 """
 
 from __future__ import annotations
@@ -151,14 +151,17 @@ def wait_for_health(
         if alive is not None and not alive():
             detail = log() if log is not None else ""
             raise MeasurementError(
-                f"the vLLM server exited before {base_url}/health answered; log tail:\n{detail}",
-                "fix the error shown in the server log above",
+                f"the vLLM server exited before {base_url}/health answered (its log tail is above)",
+                "fix the error shown in the server log",
+                detail,
             )
         if time.monotonic() - start > timeout_s:
             detail = log() if log is not None else ""
             raise MeasurementError(
-                f"{base_url}/health did not answer 200 within {timeout_s:.0f} s; log tail:\n{detail}",
-                "raise --health-timeout for large models or check the server log",
+                f"{base_url}/health did not answer 200 within {timeout_s:.0f} s"
+                + (" (the server's log tail is above)" if detail else ""),
+                "raise --health-timeout for large models or check the server",
+                detail,
             )
         time.sleep(1.0 if alive is not None else 0.5)
 

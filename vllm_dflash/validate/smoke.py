@@ -409,7 +409,7 @@ def validate(
         body["verdict"] = "pass" if all(v.passed for v in verdicts) else "fail"
         code = EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
     except MeasurementError as exc:
-        body["error"] = exc.message
+        body["error"] = exc.message + (f"\n{exc.detail}" if exc.detail else "")
         body["timestamps"]["finished"] = _now()
         timings["total_s"] = time.monotonic() - t0
         body["timings"] = timings

@@ -1,0 +1,186 @@
+"""Every fault a user or the machine can cause ends in ONE line, its own exit code, no traceback, nothing written
+(issue 10). Each case runs the real CLI in a subprocess on a throwaway checkout."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import Checkout, make_checkout
+
+from vllm_dflash.errors import (
+    ConformanceError,
+    ContainerError,
+    DirtyTreeError,
+    ManifestError,
+    MeasurementError,
+    PatchError,
+    PinMismatchError,
+    PublishRefusedError,
+    StorageError,
+    UpstreamError,
+    VerifyError,
+)
+
+DIST_TOML = "dist.toml"
+
+
+def one_line_error(r: subprocess.CompletedProcess[str], code: int) -> str:
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == code, f"exit {r.returncode}, want {code}: {r.stderr[-3000:]}"
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert " -- " in errors[0] or code == PublishRefusedError.return_code, errors[0]  # what to do, too
+    return errors[0]
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _edit(old: str, new: str) -> Callable[[Checkout], None]:
+    def edit(co: Checkout) -> None:
+        co.edit_manifest(old, new)
+
+    return edit
+
+
+def _write(rel: str, data: bytes) -> Callable[[Checkout], None]:
+    def write(co: Checkout) -> None:
+        path = co.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+    return write
+
+
+CRLF_PATCH = (
+    b"From 0 Mon Sep 17 00:00:00 2001\r\nSubject: [PATCH] x\r\n\r\n---\r\n"
+    b"diff --git a/vllm/x.py b/vllm/x.py\r\n--- a/vllm/x.py\r\n+++ b/vllm/x.py\r\n@@ -1 +1 @@\r\n-a\r\n+b\r\n"
+)
+
+# (name, how to break the checkout, argv, exit code, a phrase the one line must contain)
+CASES: list[tuple[str, Callable[[Checkout], None] | None, list[str], int, str]] = [
+    ("manifest-undecodable", _write(DIST_TOML, b"\xff\xfe[upstream]\n"), ["build"], 3, "not UTF-8"),
+    ("manifest-syntax", _write(DIST_TOML, b"[upstream\n"), ["build"], 3, "not valid TOML"),
+    ("manifest-unknown-key", _edit('dist_dir = "dist"', 'dist_dri = "dist"'), ["build"], 3, "did you mean"),
+    ("manifest-dotdot", _edit('filename = "vllm-0.20.1.tar.gz"', 'filename = "../x"'), ["build"], 3, "plain file"),
+    ("version-missing", lambda co: (co.root / "VERSION").unlink(), ["build"], 3, "VERSION"),
+    ("version-garbage", _write("VERSION", b"\x00\x01"), ["build"], 3, "VERSION"),
+    ("series-dotdot", _write("patches/series", b"../../etc/passwd\n"), ["build"], 3, "plain file name"),
+    ("series-missing-patch", _write("patches/series", b"0001-nope.patch\n"), ["build"], 3, "does not exist"),
+    (
+        "patch-crlf",
+        lambda co: (_write("patches/0001-x.patch", CRLF_PATCH)(co), _write("patches/series", b"0001-x.patch\n")(co)),
+        ["build"],
+        6,
+        "CRLF",
+    ),
+    ("platform-unknown", None, ["build", "--platform", "sparc"], 2, ""),
+    ("out-is-a-file", _write("afile", b"x"), ["build", "--out", "{root}/afile"], 15, "is a file"),
+    ("base-wheel-missing", None, ["build", "--base-wheel", "/nonexistent.whl"], 3, "no such file"),
+    ("wheel-tree-not-git", None, ["wheel", "--tree", "{root}"], 3, "not a git work tree"),
+    ("image-wheel-missing", None, ["image", "--wheel", "/nonexistent.whl"], ContainerError.return_code, "no such"),
+    ("publish-bad-scheme", None, ["publish", "x.whl", "--to", "ftp://h/x"], 12, "unsupported scheme"),
+    ("publish-file-host", None, ["publish", "x.whl", "--to", "file://otherhost/srv"], 12, "names host"),
+    ("publish-to-a-file", _write("afile", b"x"), ["publish", "x.whl", "--to", "{root}/afile/sub"], 12, "is a file"),
+    ("publish-no-wheel", None, ["publish", "{root}/none.whl", "--to", "{root}/idx"], 12, "does not exist"),
+    ("validate-bad-endpoint", None, ["validate", "--profile", "qwen3-8b", "--endpoint", "localhost:8000"], 2, "http"),
+    ("validate-no-profile", None, ["validate", "--profile", "nope"], 3, "no profile"),
+    ("verify-not-a-release", None, ["verify", "{root}"], VerifyError.return_code, ""),
+    ("release-no-wheels", None, ["release", "{root}/none.whl"], 3, "no such wheel"),
+    (
+        "conformance-wheel-missing",
+        None,
+        ["conformance", "--patched-wheel", "/x.whl"],
+        ConformanceError.return_code,
+        "no such file",
+    ),
+    ("rebase-git-ref", None, ["rebase", "--to", "v0.1.0"], UpstreamError.return_code, "already"),
+    ("cache-is-a-file", _write("cachefile", b"x"), ["source", "--source", "sdist"], 15, "cache directory"),
+]
+
+
+@pytest.mark.parametrize(("name", "breaker", "argv", "code", "phrase"), CASES, ids=[c[0] for c in CASES])
+def test_cli_faults_are_one_line(
+    tmp_path: Path,
+    name: str,
+    breaker: Callable[[Checkout], None] | None,
+    argv: list[str],
+    code: int,
+    phrase: str,
+) -> None:
+    co = make_checkout(tmp_path, tmp_path / "cache")
+    if breaker is not None:
+        breaker(co)
+    env = {"VLLM_DFLASH_CACHE": str(co.root / "cachefile")} if name == "cache-is-a-file" else None
+    before = snapshot(co.root)
+    r = co.cli(*[a.replace("{root}", str(co.root)) for a in argv], env=env)
+    if code == 2 and not phrase:  # argparse's own usage error: its exit code and message, still no traceback
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "invalid choice" in r.stderr
+        return
+    line = one_line_error(r, code)
+    assert phrase in line, line
+    assert snapshot(co.root) == before, "a refused command wrote into the checkout"
+
+
+def test_every_error_class_has_its_own_code() -> None:
+    import vllm_dflash.errors as errors
+
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.DflashError)]
+    codes = [c.return_code for c in classes if c is not errors.DflashError]
+    assert len(codes) == len(set(codes)) >= 15
+    assert {DirtyTreeError, PinMismatchError, PatchError, MeasurementError, ManifestError} <= set(classes)
+
+
+# --- the machine: a full disk, a read-only destination ----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def mounted(kind: str, where: Path) -> Iterator[Path]:
+    """A tiny tmpfs (full disk) or a read-only bind mount at `where`; skips where this machine cannot mount."""
+    where.mkdir(parents=True, exist_ok=True)
+    if kind == "full":
+        cmd = ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        extra: list[list[str]] = []
+    else:
+        src = where.with_name(where.name + "-src")
+        src.mkdir()
+        res = subprocess.run(["mount", "--bind", str(src), str(where)], capture_output=True, text=True, check=False)
+        extra = [["mount", "-o", "remount,bind,ro", str(where)]]
+    if res.returncode != 0 or os.geteuid() != 0:
+        pytest.skip(f"cannot mount here (needs root): {res.stderr.strip()}")
+    try:
+        for cmd in extra:
+            subprocess.run(cmd, check=True, capture_output=True)
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False, capture_output=True)
+
+
+@pytest.mark.parametrize("kind", ["full", "readonly"])
+def test_build_into_a_full_or_readonly_disk(checkout: Checkout, tmp_path: Path, kind: str) -> None:
+    """ENOSPC mid-write and EROFS: one line naming the place and what to do, exit 15, nothing half-written."""
+    with mounted(kind, tmp_path / "out") as out:
+        r = checkout.cli("build", "--source", "sdist", "--platform", "x86_64", "--out", str(out))
+        line = one_line_error(r, StorageError.return_code)
+        assert str(out) in line
+        assert ("No space left" in line) if kind == "full" else ("Read-only" in line)
+        assert list(out.iterdir()) == []
+
+
+def test_base_wheel_that_is_not_vllm(checkout: Checkout, tmp_path: Path) -> None:
+    other = tmp_path / "other-0.20.1-py3-none-any.whl"
+    with zipfile.ZipFile(other, "w") as z:
+        z.writestr("other/__init__.py", "")
+        z.writestr("other-0.20.1.dist-info/RECORD", "other/__init__.py,,\n")
+    r = checkout.cli("build", "--source", "sdist", "--base-wheel", str(other))
+    line = one_line_error(r, PinMismatchError.return_code)
+    assert "not a vLLM wheel" in line
+    assert checkout.dist_files() == []
