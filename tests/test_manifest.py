@@ -83,6 +83,8 @@ def test_every_table_is_typed(manifest: Manifest) -> None:
         ('required_profiles = ["qwen3.6-27b"', 'required_profiles = ["qwen3.6-72b"', "no \\[profiles"),
         ('dist_dir = "dist"', 'dist_dir = "../elsewhere"', "not a relative path inside"),
         ("[artifacts.wheel.aarch64]", "[artifacts.wheel.arm64]", "no known platform"),
+        ('fork_branch = "dflash/v{version}"', 'fork_branch = "dflash/{ver}"', "placeholder"),
+        ('fork_branch = "dflash/v{version}"', 'fork_branch = "a b"', "not a git branch name"),
     ],
 )
 def test_bad_values_are_refused(repo_root: Path, tmp_path: Path, old: str, new: str, match: str) -> None:

@@ -23,6 +23,7 @@ MACHINES = ("x86_64", "aarch64")
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
+_BRANCH = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/+-]*$")
 _RELEASE_VERSION = re.compile(r"^\d+\.\d+\.\d+(?:\.post\d+)?$")
 # <upstream version>+dflash.<N>; the local label must never contain "cpu" (vLLM treats that as a CPU build).
 _DIST_VERSION = re.compile(r"^(?P<base>\d+\.\d+\.\d+(?:\.post\d+)?)\+dflash\.(?P<n>\d+)$")
@@ -411,6 +412,14 @@ def parse_manifest(data: Mapping[str, Any], version_text: str, root: Path, text:
         if not isinstance(value, str) or not value:
             raise ManifestError(f"[build]: '{key}' must be a non-empty string", f"fix [build].{key}")
     build = BuildDefaults(**build_table)
+    try:
+        branch = build.fork_branch.format(version=upstream.version)
+    except (KeyError, IndexError, ValueError):
+        raise ManifestError(
+            f"[build].fork_branch '{build.fork_branch}' may only use the {{version}} placeholder", "fix [build]"
+        ) from None
+    if not _BRANCH.match(branch) or ".." in branch or branch.endswith((".lock", "/")):
+        raise ManifestError(f"[build].fork_branch '{branch}' is not a git branch name", "use e.g. dflash/v{version}")
     version = parse_version(version_text, upstream.version)
     if "cpu" in version.split("+", 1)[1]:
         raise ManifestError(f"local version label in '{version}' contains 'cpu'", "vLLM would treat it as a CPU build")
