@@ -33,6 +33,12 @@ def register(sub: Any) -> None:
     )
     r.add_argument("--builder-id", default=DEFAULT_BUILDER_ID, help="SLSA builder id (a CI system sets its own)")
     r.add_argument("--index-url", default=None, help="the index the notes' install command names")
+    r.add_argument(
+        "--sbom-timestamp",
+        default=None,
+        metavar="ISO8601",
+        help="the SBOMs' metadata.timestamp (default: $SOURCE_DATE_EPOCH when set, else none: reproducible)",
+    )
     r.add_argument("--copy", action="store_true", help="copy the wheels instead of hard-linking them")
     r.set_defaults(func=run_release)
 
@@ -57,7 +63,15 @@ def _image(spec: str) -> ImageRef:
     return ImageRef(repo, digest, plat or None)
 
 
-def _timestamp() -> dt.datetime | None:
+def _timestamp(given: str | None) -> dt.datetime | None:
+    if given is not None:
+        try:
+            stamp = dt.datetime.fromisoformat(given)
+        except ValueError:
+            raise ManifestError(
+                f"--sbom-timestamp {given!r} is not ISO 8601", "write e.g. 2026-11-30T12:00:00Z"
+            ) from None
+        return stamp if stamp.tzinfo else stamp.replace(tzinfo=dt.UTC)
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if not epoch:
         return None
@@ -82,7 +96,7 @@ def run_release(args: argparse.Namespace) -> int:
         report_key=reports.key_from_env(),
         images=tuple(_image(s) for s in args.image),
         builder_id=args.builder_id,
-        timestamp=_timestamp(),
+        timestamp=_timestamp(args.sbom_timestamp),
         index_url=args.index_url,
         link=not args.copy,
     )
