@@ -10,6 +10,7 @@ Prints both medians and their ratio; the goal is a wheel step of at most 5 s for
 from __future__ import annotations
 
 import argparse
+import platform
 import shutil
 import statistics
 import subprocess
@@ -18,10 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_dflash.fetch import fetch
 from vllm_dflash.manifest import load_manifest
-from vllm_dflash.pipeline.patches import PatchedTree, apply_series, series_or_empty
+from vllm_dflash.pipeline.model import PatchedTree
+from vllm_dflash.pipeline.patches import apply_series
 from vllm_dflash.pipeline.source import prepare_source
-from vllm_dflash.pipeline.wheel import build_fast_wheel, resolve_base_wheel
+from vllm_dflash.pipeline.wheel import build_fast_wheel
+from vllm_dflash.series import read_queue
 
 GOAL_S = 5.0
 
@@ -45,8 +49,12 @@ def main() -> int:
     args = ap.parse_args()
 
     manifest = load_manifest(args.root)
-    base_wheel = resolve_base_wheel(manifest, args.base_wheel)
-    if base_wheel is None:
+    table = manifest.cpu_wheels if args.base_wheel == "cpu" else manifest.wheels
+    if args.base_wheel not in (None, "cpu"):
+        base_wheel = Path(args.base_wheel)
+    elif platform.machine() in table:
+        base_wheel = fetch(table[platform.machine()])
+    else:
         print("no upstream wheel pinned for this machine", file=sys.stderr)
         return 1
     source = prepare_source(manifest, "sdist")
@@ -57,7 +65,7 @@ def main() -> int:
         _git(tmp, "clone", "-q", "--shared", str(source.path), str(clone))
         _git(clone, "checkout", "-q", "--detach", source.base)
         tree = type(source)(clone, source.kind, source.version, source.commit, source.base)
-        patched = apply_series(tree, series_or_empty(manifest.patches_dir), "bench")
+        patched = apply_series(tree, read_queue(manifest.series_path).patches, "bench")
         target = clone / "vllm/v1/spec_decode/dflash.py"
         target.write_text(target.read_text() + "# benchmark overlay\n")
         _git(clone, "commit", "-qam", "benchmark: one-line change")
