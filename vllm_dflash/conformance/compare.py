@@ -39,6 +39,7 @@ from vllm_dflash.envs import VenvSpec, ensure_target, ensure_venv, reference_pyt
 from vllm_dflash.errors import ConformanceError, ManifestError
 from vllm_dflash.fetch import cache_dir, fetch, sha256_file
 from vllm_dflash.manifest import Manifest
+from vllm_dflash.pipeline.build import cached_build
 from vllm_dflash.series import Queues
 
 BUILDS = ("patched", "stock")
@@ -174,7 +175,7 @@ def stock_wheel(manifest: Manifest, queues: Queues, device: str) -> Path:
         if art is None:
             raise ManifestError(f"no vLLM CUDA wheel pinned for {platform.machine()}", "add it to [artifacts.wheel]")
         return fetch(art)
-    return _built_wheel(manifest, queues, "cpu", "stock")
+    return cached_build(manifest, queues, "cpu", "stock", conformance_dir())
 
 
 def patched_wheel(manifest: Manifest, queues: Queues, device: str) -> Path:
@@ -183,50 +184,7 @@ def patched_wheel(manifest: Manifest, queues: Queues, device: str) -> Path:
         raise ConformanceError(
             f"the patch queue in {queues.dflash.series} is empty", "nothing to validate: add patches/series"
         )
-    return _built_wheel(manifest, queues, "cpu" if device == "cpu" else "upstream", "dflash")
-
-
-def _queue_key(manifest: Manifest, queues: Queues, base: str, variant: str) -> str:
-    """What determines a build's bytes: the pins, the version and every patch applied (by content)."""
-    h = hashlib.sha256()
-    pins = manifest.cpu_wheels if base == "cpu" else manifest.wheels
-    h.update(json.dumps([base, variant, manifest.version, pins[platform.machine()].sha256]).encode())
-    for patch in queues.for_build(variant, cpu_base=base == "cpu"):
-        h.update(f"{patch.queue}/{patch.name}:{patch.sha256}\n".encode())
-    return h.hexdigest()[:12]
-
-
-def _built_wheel(manifest: Manifest, queues: Queues, base: str, variant: str) -> Path:
-    """A build for this machine, cached under conformance/wheels by what determines its bytes."""
-    from vllm_dflash.pipeline.build import BuildOptions, build
-
-    if platform.machine() not in (manifest.cpu_wheels if base == "cpu" else manifest.wheels):
-        raise ManifestError(f"no {base} wheel pinned for {platform.machine()}", "add it to dist.toml [artifacts.*]")
-    out = conformance_dir() / "wheels" / f"{base}-{variant}-{_queue_key(manifest, queues, base, variant)}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # One builder at a time: concurrent runs share the private source tree and the wheel cache.
-    with (out.parent / ".build.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = sorted(out.glob("*.whl")) if out.is_dir() else []
-        if done:
-            return done[0]
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            # A private source tree (ours), so a conformance run never disturbs the user's `vllm-dflash source` tree.
-            options = BuildOptions(
-                source="sdist",
-                base=base,
-                platforms=(platform.machine(),),
-                variant=variant,
-                out_dir=tmp,
-                source_dest=conformance_dir() / "source",
-            )
-            result = build(manifest, queues, options)
-            os.replace(tmp, out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return out / result.wheels[0].path.name
+    return cached_build(manifest, queues, "cpu" if device == "cpu" else "upstream", "dflash", conformance_dir())
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@ verified, so a failed build leaves nothing there.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import os
 import platform
 import shutil
 import time
@@ -16,6 +20,7 @@ from pathlib import Path
 from vllm_dflash.errors import ManifestError, StorageError, UnsupportedModeError
 from vllm_dflash.fetch import fetch
 from vllm_dflash.manifest import MACHINES, Manifest
+from vllm_dflash.paths import ensure_dir, temp_sibling
 from vllm_dflash.pipeline import fullbuild, source
 from vllm_dflash.pipeline.model import MODES, SOURCE_KINDS, VARIANTS, PatchedTree, WheelResult
 from vllm_dflash.pipeline.patches import apply_series
@@ -158,3 +163,43 @@ def build(manifest: Manifest, queues: Queues, options: BuildOptions) -> BuildRes
     names = ", ".join(r.path.name for r in results)
     console.print(f"built {names} in {seconds:.1f} s ({choice.mode} path)")
     return BuildResult(wheels=tuple(results), patched=patched, seconds=seconds)
+
+
+def _build_key(manifest: Manifest, queues: Queues, base: str, variant: str) -> str:
+    """What determines a build's bytes: the pinned base wheel, the version and every patch applied (by content)."""
+    h = hashlib.sha256()
+    pins = manifest.cpu_wheels if base == "cpu" else manifest.wheels
+    h.update(json.dumps([base, variant, manifest.version, pins[platform.machine()].sha256]).encode())
+    for patch in queues.for_build(variant, cpu_base=base == "cpu"):
+        h.update(f"{patch.queue}/{patch.name}:{patch.sha256}\n".encode())
+    return h.hexdigest()[:12]
+
+
+def cached_build(manifest: Manifest, queues: Queues, base: str, variant: str, cache: Path) -> Path:
+    """This machine's wheel of `base` ("upstream" or "cpu") and `variant`, built once into `cache`/wheels under the
+    hash of what determines its bytes, from a private source tree (a user's `vllm-dflash source` tree is never
+    touched). The conformance test and the miniature profile build through here."""
+    if platform.machine() not in (manifest.cpu_wheels if base == "cpu" else manifest.wheels):
+        raise ManifestError(f"no {base} wheel pinned for {platform.machine()}", "add it to dist.toml [artifacts.*]")
+    out = ensure_dir(cache / "wheels") / f"{base}-{variant}-{_build_key(manifest, queues, base, variant)}"
+    with (out.parent / ".build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent runs share the private tree and the wheel cache
+        done = sorted(out.glob("*.whl")) if out.is_dir() else []
+        if done:
+            return done[0]
+        tmp = temp_sibling(out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            options = BuildOptions(
+                source="sdist",
+                base=base,
+                platforms=(platform.machine(),),
+                variant=variant,
+                out_dir=tmp,
+                source_dest=cache / "source",
+            )
+            result = build(manifest, queues, options)
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out / result.wheels[0].path.name
