@@ -24,6 +24,20 @@ from vllm_dflash.manifest import Manifest, load_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The quick tier (scripts/test quick) leaves out every test marked `heavy`. A test is heavy when it is marked so, or
+# when it uses (directly or through other fixtures) one of these: they need the real vLLM sources or wheels, a side
+# environment, or a container store.
+HEAVY_FIXTURES = frozenset(
+    {"sdist_tree", "real_cache", "ref_python", "cpu_python", "podman_store", "dflash_wheel", "base_wheel", "built"}
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        uses = set(getattr(item, "fixturenames", ()))
+        if uses & HEAVY_FIXTURES or item.get_closest_marker("containers") is not None:
+            item.add_marker(pytest.mark.heavy)
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dflash.manifest import Manifest, parse_artifact
+from vllm_dflash.manifest import Manifest
 from vllm_dflash.pipeline.patches import PatchState, check_patch, check_series
 from vllm_dflash.series import Patch, read_queue
 
@@ -34,9 +34,8 @@ def tree_0220(manifest: Manifest, tmp_path_factory: pytest.TempPathFactory) -> P
     """The real vLLM 0.22.0 sdist tree (hash-pinned in dist.toml [releases]), as a git repo."""
     from vllm_dflash.pipeline.source import release_tree
 
-    rel = manifest.raw["releases"]["0.22.0"]
-    sdist = parse_artifact(rel["sdist"], "releases.0.22.0.sdist")
-    return release_tree("0.22.0", sdist, rel["commit"], tmp_path_factory.mktemp("rel") / "vllm-0.22.0").path
+    rel = manifest.releases["0.22.0"]
+    return release_tree("0.22.0", rel.sdist, rel.commit, tmp_path_factory.mktemp("rel") / "vllm-0.22.0").path
 
 
 def test_series_order_and_files(queue: dict[str, Patch]) -> None:

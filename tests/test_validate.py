@@ -23,6 +23,7 @@ import tomlkit
 from cpu_server import CPU_SERVER_WHEEL, cpu_server_python, make_tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
+from vllm_dflash import provenance as prov
 from vllm_dflash.fetch import fetch, sha256_file
 from vllm_dflash.manifest import load_manifest
 from vllm_dflash.report import seal_problem
@@ -307,10 +308,20 @@ def _write_wheel(dest: Path, files: dict[str, bytes], name: str = "vllm", versio
 def test_provenance_reads_build_info_and_binds_the_exact_wheel(tmp_path: Path) -> None:
     """Subprocess mode names a wheel only when the environment holds exactly its files; patches come from
     vllm/dflash_build.json (what our wheel builder writes)."""
-    build_info = {"schema": 1, "patches": [{"name": "0001-dflash-aux-layer-shift.patch", "sha256": "ab" * 32}]}
+    doc = prov.Provenance(
+        version="0.20.1+dflash.9",
+        upstream=prov.UpstreamRef(
+            "0.20.1", "v0.20.1", "https://example.invalid/vllm.git", "f98b2747f", "f98b2747f", "sdist"
+        ),
+        fork=prov.ForkRef("dflash/v0.20.1", "a" * 40, "b" * 40),
+        patches=(prov.PatchRecord("0001-dflash-aux-layer-shift.patch", "ab" * 32, "shift", "c" * 40, ""),),
+        build=prov.BuildInfo("vllm-dflash", "0.1.0", "fast", "test", "base.whl", "d" * 64),
+        changed_files=("vllm/__init__.py",),
+    )
+    build_info = doc.as_dict()
     files = {
         "vllm/__init__.py": b"__version__ = '0.20.1+dflash.9'\n",
-        "vllm/dflash_build.json": json.dumps(build_info).encode(),
+        prov.PATH: doc.dumps(),
     }
     wheel = _write_wheel(tmp_path / "a", files)
     other = _write_wheel(tmp_path / "b", {**files, "vllm/__init__.py": b"# another build\n"})

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.cli.common import checkout
+from vllm_dflash.cli.common import checkout, manifest
 from vllm_dflash.errors import ContainerError
 from vllm_dflash.manifest import MACHINES
 from vllm_dflash.pipeline import image as img
@@ -45,8 +45,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    co = checkout(args)
-    m = co.manifest
+    m = manifest(args)  # the fast target reads everything it labels from the wheel; the full one reads the queue
     wanted = img.machines(args.platform)
     if args.wheel is not None and len(wanted) > 1:
         raise ContainerError("--wheel names one wheel, --platform all wants one per platform", "drop one of them")
@@ -78,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             wheel = args.wheel.resolve() if args.wheel is not None else img.find_wheel(m.dist_dir, m.version, machine)
             labels = img.labels_from_wheel(wheel, url)
         else:
-            wheel, labels = None, img.labels_from_queue(m, co.queues, url)
+            wheel, labels = None, img.labels_from_queue(m, checkout(args).queues, url)
         result = img.build_image(labels, dockerfile, wheel, options)
         print(f"built {result.tag} with {result.tool} in {result.seconds:.0f} s", file=sys.stderr)
         print(f"{result.tag}\ndigest={result.digest}")

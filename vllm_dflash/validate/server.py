@@ -224,7 +224,8 @@ def installed_vllm(python: Path, env: Mapping[str, str] | None = None) -> Instal
     if data is None:
         raise MeasurementError(f"{python} cannot import vllm", "install the wheel to validate into that environment")
     raw = data.pop("build_info")
-    data["build_info"] = prov.loads(raw, f"{data['location']}/{prov.PATH}").as_dict() if raw else None
+    where = str(Path(data["location"]).parent / prov.PATH)
+    data["build_info"] = prov.loads(raw, where).as_dict() if raw else None
     return InstalledVllm(**data)
 
 
