@@ -28,7 +28,17 @@ REPO = Path(__file__).resolve().parents[1]
 # when it uses (directly or through other fixtures) one of these: they need the real vLLM sources or wheels, a side
 # environment, or a container store.
 HEAVY_FIXTURES = frozenset(
-    {"sdist_tree", "real_cache", "ref_python", "cpu_python", "podman_store", "dflash_wheel", "base_wheel", "built"}
+    {
+        "sdist_tree",
+        "real_cache",
+        "ref_python",
+        "cpu_python",
+        "podman_store",
+        "dflash_wheel",
+        "base_wheel",
+        "built",
+        "tree_0220",
+    }
 )
 
 

@@ -189,6 +189,7 @@ def test_judge_verdicts() -> None:
 # ---- the whole thing ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.network
 def test_conformance_patched_passes_and_stock_fails(tmp_path: Path) -> None:

@@ -331,6 +331,7 @@ def _configure(tree: Path, build: Path, python: str, env: dict[str, str]) -> sub
     return subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, **env}, timeout=600)
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.network
 def test_cmake_configure_patched_tree_without_torch(manifest: Manifest, bare_python: Path, tmp_path: Path) -> None:
@@ -357,6 +358,7 @@ def _torch_cuda_python() -> str | None:
     return None
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_cmake_configure_with_torch_and_nvcc_reaches_third_party_fetch(manifest: Manifest, tmp_path: Path) -> None:
     """With torch 2.11.0 (CUDA 13.0) and a CUDA 13 nvcc, configure finds Torch, picks the archs we ask for and
@@ -418,6 +420,7 @@ print("RESULT", m.scale(torch.arange(4, dtype=torch.float32), 2.5).tolist())
 """
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_compile_torch_cuda_extension(tmp_path: Path) -> None:
     """A real compile of a small torch extension with a CUDA kernel (nvcc, sm_90, torch 2.11.0 headers, ninja):
@@ -453,6 +456,7 @@ def test_compile_torch_cuda_extension(tmp_path: Path) -> None:
     assert b".nv_fatbin" in so.read_bytes()  # the device code is embedded in the extension
 
 
+@pytest.mark.heavy
 def test_full_build_provenance_records_mode_reason_and_plan(manifest: Manifest, tmp_path: Path) -> None:
     with _patched_tree(manifest) as patched:
         opts = fb.FullBuildOptions(torch_cuda_arch_list="9.0", src_dirs={"cutlass": str(tmp_path)})

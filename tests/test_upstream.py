@@ -166,6 +166,7 @@ def _report(root: Path, ref: str, capsys: pytest.CaptureFixture[str], tmp: Path)
     return text, {p["patch"]: p for p in data["patches"]}
 
 
+@pytest.mark.heavy
 @pytest.mark.network
 @pytest.mark.slow
 def test_upstream_on_the_pinned_release_every_patch_applies(
@@ -176,6 +177,7 @@ def test_upstream_on_the_pinned_release_every_patch_applies(
     assert {n: v["status"] for n, v in by.items()} == dict.fromkeys(queue["all"].split(), "applies")
 
 
+@pytest.mark.heavy
 @pytest.mark.network
 @pytest.mark.slow
 def test_upstream_against_v0_22_0_tap_upstream_sliding_needed(
@@ -190,6 +192,7 @@ def test_upstream_against_v0_22_0_tap_upstream_sliding_needed(
     assert "evidence" in text.splitlines()[2] and "already upstream" in text
 
 
+@pytest.mark.heavy
 @pytest.mark.network
 @pytest.mark.slow
 def test_upstream_against_v0_26_0_shows_sliding_window_superseded_for_v2_only(
@@ -238,6 +241,7 @@ def _rebase_to_0_22_0(root: Path, capsys: pytest.CaptureFixture[str]) -> dict[st
     return info
 
 
+@pytest.mark.heavy
 @pytest.mark.network
 @pytest.mark.slow
 def test_rebase_0_20_1_to_0_22_0_retires_tap_keeps_sliding(
@@ -305,6 +309,7 @@ def test_rebase_0_20_1_to_0_22_0_retires_tap_keeps_sliding(
     assert {n: v["status"] for n, v in by.items()} == dict.fromkeys(kept, "applies")
 
 
+@pytest.mark.heavy
 @pytest.mark.network
 @pytest.mark.slow
 def test_rebase_0_22_0_to_0_26_0_stops_on_the_sliding_patch_then_retires_it_on_request(
@@ -353,6 +358,7 @@ def _add_to_queue(root: Path, name: str, text: str) -> None:
         fh.write(name + "\n")
 
 
+@pytest.mark.heavy
 @pytest.mark.network
 @pytest.mark.slow
 def test_conflicting_patch_stops_rebase_and_leaves_the_repo_byte_identical(
@@ -382,6 +388,7 @@ def test_conflicting_patch_stops_rebase_and_leaves_the_repo_byte_identical(
     assert not (root / "patches" / "retired.toml").exists()
 
 
+@pytest.mark.heavy
 @pytest.mark.network
 @pytest.mark.slow
 def test_reverse_apply_is_checked_against_content_on_a_real_tree(pinned_0201: None, tmp_path: Path) -> None:
@@ -423,6 +430,7 @@ def test_reverse_apply_is_checked_against_content_on_a_real_tree(pinned_0201: No
     ]
 
 
+@pytest.mark.heavy
 @pytest.mark.network
 @pytest.mark.slow
 def test_upstream_against_a_git_ref(queue: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -448,6 +456,7 @@ def test_upstream_against_a_git_ref(queue: dict[str, str], tmp_path: Path, capsy
     assert _cli(root, "upstream", "--against", "main") == 5
 
 
+@pytest.mark.heavy
 @pytest.mark.network
 def test_rebase_refuses_the_current_pin_and_unknown_retire_names(pinned_0201: None, tmp_path: Path) -> None:
     root = _copy_repo(tmp_path / "repo")
