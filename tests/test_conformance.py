@@ -341,3 +341,103 @@ def test_cli_refuses_a_missing_wheel_with_one_line(tmp_path: Path) -> None:
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "x.whl: no such file" in lines[0] and " -- " in lines[0]
     assert not (tmp_path / "x.whl").exists()
+
+
+# ---- the patched drafter's resolution and backend checks, in the patched build itself --------------------------
+
+_RESOLVE_SCRIPT = r"""
+import json
+from types import SimpleNamespace
+
+from transformers import Qwen3Config
+from vllm.model_executor.models import qwen3_dflash as q
+
+S, F = "sliding_attention", "full_attention"
+
+
+def resolve(raw=None, n=2, **kw):
+    config = Qwen3Config(num_hidden_layers=n, max_window_layers=0, **kw)
+    return q.resolve_dflash_layer_attention(config, lambda: raw or {})
+
+
+def windows(**kw):
+    try:
+        return [list(layer.window_size) for layer in resolve(**kw)]
+    except ValueError as exc:
+        return str(exc)
+
+
+def on_backend(backend, layer):
+    impl = SimpleNamespace(sliding_window=(-1, -1))
+    fake = SimpleNamespace(
+        layer_name="model.layers.4.self_attn",
+        attn=SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend), impl=impl),
+    )
+    try:
+        q.DFlashQwen3Attention._apply_layer_attention(fake, layer)
+    except ValueError as exc:
+        return str(exc)
+    return list(impl.sliding_window)
+
+
+out = {
+    "kept": windows(layer_types=[S, F], use_sliding_window=True, sliding_window=8),
+    "dropped": windows(layer_types=[S, F], sliding_window=8, raw={"sliding_window": 8}),
+    "swa_window_size": windows(layer_types=[S, F], dflash_config={"swa_window_size": 8, "use_swa": False}),
+    "both": windows(
+        layer_types=[S, F], use_sliding_window=True, sliding_window=16, dflash_config={"swa_window_size": 8}
+    ),
+    "use_swa": windows(layer_types=[F, F], dflash_config={"use_swa": True, "swa_window_size": 8}),
+    "use_swa_no_layer_types": windows(dflash_config={"use_swa": True, "swa_window_size": 8}),
+    "is_causal_false": windows(layer_types=[S, F], use_sliding_window=True, sliding_window=8, is_causal=False),
+    "is_causal_over_dflash": windows(
+        layer_types=[S, F], use_sliding_window=True, sliding_window=8, is_causal=False, dflash_config={"causal": True}
+    ),
+    "dflash_causal": windows(layer_types=[F, F], dflash_config={"causal": True}),
+    "no_window": windows(layer_types=[S, F]),
+    "unknown_kind": windows(layer_types=[S, "chunked_attention"], use_sliding_window=True, sliding_window=8),
+    "log": [layer.describe() for layer in resolve(layer_types=[S, F], sliding_window=8, raw={"sliding_window": 8})],
+}
+sym = resolve(layer_types=[S, F], use_sliding_window=True, sliding_window=8, is_causal=False)[0]
+causal_full = resolve(layer_types=[F, F], dflash_config={"causal": True})[0]
+plain = resolve(layer_types=[F, F])[0]
+out["backends"] = {
+    backend: [on_backend(backend, layer) for layer in (sym, causal_full, plain)]
+    for backend in ("FLASH_ATTN", "CPU_ATTN", "FLEX_ATTENTION", "TRITON_ATTN")
+}
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_patched_drafter_resolves_every_spelling_and_refuses_inexact_backends(manifest: Manifest) -> None:
+    """The resolution function and the backend check of the patched build, called directly in its own environment
+    (the CPU conformance run can only ever use CPU_ATTN): exact windows for FLASH_ATTN and CPU_ATTN, one-line
+    refusals elsewhere and for configs that cannot run."""
+    from vllm_dflash.conformance.envs import ensure_vllm_env
+
+    wheel = compare.patched_wheel(manifest, "cpu")
+    env = ensure_vllm_env(wheel, compare.stock_wheel(manifest, "cpu"), manifest.root)
+    run = subprocess.run(
+        [str(env.python), "-c", _RESOLVE_SCRIPT], env=env.environ(), text=True, capture_output=True, check=True
+    )
+    got = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert got["kept"] == got["dropped"] == got["swa_window_size"] == got["both"] == [[7, 0], [-1, -1]]
+    assert got["use_swa"] == got["use_swa_no_layer_types"] == [[7, 7], [7, 7]]  # non-causal, as upstream
+    assert got["is_causal_false"] == got["is_causal_over_dflash"] == [[7, 7], [-1, -1]]
+    assert got["dflash_causal"] == [[-1, 0], [-1, 0]]
+    assert "has no positive window" in got["no_window"] and "dflash_config.swa_window_size" in got["no_window"]
+    assert "layer_types[1] is 'chunked_attention'" in got["unknown_kind"]
+    assert "window 8 (sliding_window in config.json (transformers dropped it))" in got["log"][0]
+    assert "causal (default for a declared sliding_attention layer) -> window (7, 0)" in got["log"][0]
+    for backend in ("FLASH_ATTN", "CPU_ATTN"):
+        assert got["backends"][backend] == [[7, 7], [-1, 0], [-1, -1]], backend
+    for backend in ("FLEX_ATTENTION", "TRITON_ATTN"):
+        sym, causal_full, plain = got["backends"][backend]
+        assert plain == [-1, -1]  # full, non-causal layers run anywhere DFlash runs
+        for refusal in (sym, causal_full):
+            assert isinstance(refusal, str) and "\n" not in refusal
+            assert f"the {backend} attention backend cannot apply this window exactly" in refusal
+            assert "--attention-backend FLASH_ATTN or CPU_ATTN" in refusal
+        assert "is_causal" in sym and "dflash_config.causal" in causal_full
