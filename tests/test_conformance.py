@@ -106,6 +106,7 @@ def test_every_config_spelling_family_has_a_case() -> None:
     assert {c.refusal for c in C.CASES if c.refusal} == {
         "has no positive window",
         "layer_types[1] is 'chunked_attention'",
+        "target_layer_ids is given only at the top level",
     }
 
 
@@ -142,6 +143,9 @@ def test_tiny_models_have_the_layout_vllm_and_the_reference_read(built_cases: di
             cfg = json.loads((cdir / "drafter" / "reference_config.json").read_text())
         assert cfg["model_type"] == "qwen3"
         dflash = cfg["dflash_config"]
+        if spec.ids_spelling == "top_level":
+            assert "target_layer_ids" not in dflash and cfg["target_layer_ids"] == list(spec.target_layer_ids)
+            dflash = {**dflash, "target_layer_ids": cfg["target_layer_ids"]}
         assert (dflash["target_layer_ids"], dflash["mask_token_id"]) == (list(spec.target_layer_ids), 257)
         assert cfg["layer_types"] == list(spec.layer_types)
         assert dflash.get("block_size", cfg["block_size"]) == spec.block_size

@@ -67,6 +67,7 @@ IdsSpelling = Literal[
     "default",  # dflash_config.target_layer_ids / mask_token_id, top-level block_size (what z-lab ships)
     "dflash_config",  # all three only in dflash_config, with different decoy values at the top level
     "speculators",  # speculators format: aux_hidden_state_layer_ids in vLLM's indexing (DFlash id + 1)
+    "top_level",  # target_layer_ids only at the top level (the reference's fallback; vLLM's runner does not read it)
 ]
 LayerAttention = tuple[int | None, bool]  # (window W or None, causal)
 
@@ -309,6 +310,16 @@ CASES: tuple[CaseSpec, ...] = (
         target_layer_ids=(1, 2),
         sliding_window=WINDOW,
         refusal="layer_types[1] is 'chunked_attention'",
+        prompt_lengths=(9,),
+        max_tokens=4,
+    ),
+    CaseSpec(
+        name="refuse-top-level-ids",
+        summary="target_layer_ids only at the top level: refused (the runner would tap the default layers)",
+        layer_types=(FULL, FULL),
+        target_layer_ids=(0, 2),
+        ids_spelling="top_level",
+        refusal="target_layer_ids is given only at the top level",
         prompt_lengths=(9,),
         max_tokens=4,
     ),

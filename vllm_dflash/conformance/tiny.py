@@ -138,6 +138,8 @@ def drafter_config(spec: C.CaseSpec) -> Any:
         dflash["causal"] = spec.dflash_causal
     if spec.is_causal is not None:
         extra["is_causal"] = spec.is_causal
+    if spec.ids_spelling == "top_level":
+        extra["target_layer_ids"] = dflash.pop("target_layer_ids")
     if spec.ids_spelling == "dflash_config":
         dflash["block_size"] = spec.block_size
         extra.update(
