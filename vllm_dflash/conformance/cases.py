@@ -3,10 +3,18 @@
 Stdlib only: this module is imported on the host, in the dflash reference environment and (through case.json) read by
 the vLLM side, so it must not pull in torch or rich.
 
-Every case uses a 4-layer Qwen3 target (hidden 128, vocab 512) and a drafter with block size 4 (k = 3 drafted
-tokens per step). Numbers are chosen so that each bug shows up: a sliding window (8) far shorter than the context
-(prompts of 37 and 45 tokens plus 24 generated), taps that differ between "input of layer L" (vLLM 0.20.1) and
-"output of layer L" (the reference).
+Most cases use a 4-layer Qwen3 target (hidden 128, vocab 512) and a drafter with block size 4 (k = 3 drafted
+tokens per step); `real-shape` scales the real z-lab/Qwen3.6-27B-DFlash down (64-layer target, 4 sliding + 1 full
+drafter layers, block size 16). Numbers are chosen so that each bug shows up: a sliding window (8) far shorter than
+the context (prompts of 37 and 45 tokens plus 24 generated), taps that differ between "input of layer L" (vLLM 0.20.1)
+and "output of layer L" (the reference).
+
+The "spelling" cases write the same kind of drafter with the config fields real checkpoints use (window in
+`dflash_config.swa_window_size`, `dflash_config.use_swa`, the window dropped by transformers, `is_causal`,
+`dflash_config.causal`, ids only in `dflash_config`, the speculators format). `CaseSpec.attention` is the reading
+vllm-dflash chose for each (see the README, "Drafter config fields"); the oracle computes that reading with the
+reference's own model class, and `CaseSpec.reference_attention` is what the reference package does literally, which
+is a negative control wherever the two differ.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -30,8 +38,9 @@ EOS_TOKEN_ID = 256
 MAX_TOKENS = 24
 PROMPT_LENGTHS = (37, 45)  # deliberately not multiples of 32 (the CPU kernel quirk must not hide anything)
 
-# What a build must do on a case: pass, fail (a negative control), or either (the case cannot tell the builds apart).
-Expect = Literal["pass", "fail", "any"]
+# What a build must do on a case: pass, fail (a negative control), either (the case cannot tell the builds apart), or
+# skip (not run: the build's reading is the same as on another case that already shows it).
+Expect = Literal["pass", "fail", "any", "skip"]
 
 # Negative-control oracles (see oracle.py): each must DISAGREE with the patched build on the cases that list it.
 NEG_TAP_INPUT = "tap-input"  # hidden_states[L] instead of [L+1]: vLLM 0.20.1's tap
@@ -39,8 +48,28 @@ NEG_FULL_ATTN = "full-attention"  # sliding layers run full, non-causal: vLLM 0.
 NEG_WINDOW_MINUS = "window-1"
 NEG_WINDOW_PLUS = "window+1"
 NEG_POSTNORM_LAST = "postnorm-last-tap"  # the reference package's literal last-layer tap (after the final norm)
+NEG_REFERENCE_LITERAL = "reference-literal"  # the reference package's own reading of the config (where ours differs)
+NEG_CAUSAL_WINDOW = "causal-window"  # every sliding layer causal (the old reading that ignored is_causal)
+NEG_TOP_LEVEL_IDS = "top-level-ids"  # target_layer_ids from the top level instead of dflash_config
 # Informational: the oracle that models stock 0.20.1 exactly (input taps + full attention). Not asserted.
 STOCK_MODEL = "stock-semantics"
+
+
+# How a case's drafter config.json gives the sliding window W.
+WindowSpelling = Literal[
+    "sliding_window",  # top-level sliding_window with use_sliding_window: true (transformers keeps it)
+    "dropped",  # top-level sliding_window, use_sliding_window absent: transformers' Qwen3Config drops it on load
+    "swa_window_size",  # only dflash_config.swa_window_size
+    "none",  # no window anywhere
+]
+# Where the target layer ids, block size and mask token id are.
+IdsSpelling = Literal[
+    "default",  # dflash_config.target_layer_ids / mask_token_id, top-level block_size (what z-lab ships)
+    "dflash_config",  # all three only in dflash_config, with different decoy values at the top level
+    "speculators",  # speculators format: aux_hidden_state_layer_ids in vLLM's indexing (DFlash id + 1)
+    "top_level",  # target_layer_ids only at the top level (the reference's fallback; vLLM's runner does not read it)
+]
+LayerAttention = tuple[int | None, bool]  # (window W or None, causal)
 
 
 @dataclass(frozen=True)
@@ -51,7 +80,7 @@ class CaseSpec:
     summary: str  # one line: what this case proves
     layer_types: tuple[str, ...]
     target_layer_ids: tuple[int, ...]
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # W, wherever `window_spelling` puts it
     identity_target_layers: tuple[int, ...] = ()  # target layers zeroed to identities (o_proj, down_proj = 0)
     zero_lm_head: bool = False  # target and drafter lm_head zeroed: all logits 0, every draft accepted
     expect_stock: Expect = "fail"
@@ -59,14 +88,60 @@ class CaseSpec:
     seed: int = 0
     prompt_lengths: tuple[int, ...] = PROMPT_LENGTHS
     max_tokens: int = MAX_TOKENS
+    target_layers: int = TARGET_LAYERS
+    block_size: int = BLOCK_SIZE
+    window_spelling: WindowSpelling = "sliding_window"
+    use_swa: bool = False  # dflash_config.use_swa: true
+    is_causal: bool | None = None  # top-level is_causal
+    dflash_causal: bool | None = None  # dflash_config.causal
+    ids_spelling: IdsSpelling = "default"
+    refusal: str = ""  # the patched build must refuse to start with a message containing this
 
     @property
     def num_speculative_tokens(self) -> int:
-        return NUM_SPEC_TOKENS
+        return self.block_size - 1
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Layer kinds as vllm-dflash (and upstream) read them: use_swa turns an all-full drafter all-sliding."""
+        if self.use_swa and SLIDING not in self.layer_types:
+            return (SLIDING,) * len(self.layer_types)
+        return self.layer_types
+
+    def _causal(self, kind: str, honour_dflash_causal: bool) -> bool:
+        if self.is_causal is not None:
+            return self.is_causal
+        if honour_dflash_causal and self.dflash_causal is not None:
+            return self.dflash_causal
+        return kind == SLIDING
+
+    @property
+    def attention(self) -> tuple[LayerAttention, ...]:
+        """Per drafter layer, the (window, causal) vllm-dflash's build must compute (README, "Drafter config fields"):
+        window from dflash_config.swa_window_size or sliding_window (also when transformers drops it), causal from
+        is_causal, else dflash_config.causal, else "layers declared sliding_attention are causal"."""
+        window = None if self.window_spelling == "none" else self.sliding_window
+        # The causal default follows the DECLARED kind (as upstream): layers use_swa turned sliding stay non-causal.
+        return tuple(
+            (window if k == SLIDING else None, self._causal(declared, True))
+            for k, declared in zip(self.kinds, self.layer_types, strict=True)
+        )
+
+    @property
+    def reference_attention(self) -> tuple[LayerAttention, ...]:
+        """What the dflash 0.1.0 reference does with this config.json: layer_types as given (no use_swa), the window
+        only when transformers keeps sliding_window, causality from is_causal only."""
+        window = self.sliding_window if self.window_spelling == "sliding_window" else None
+        return tuple((window if k == SLIDING else None, self._causal(k, False)) for k in self.layer_types)
 
     @property
     def has_sliding(self) -> bool:
-        return SLIDING in self.layer_types
+        return any(window is not None for window, _ in self.attention)
+
+    @property
+    def builds(self) -> tuple[str, ...]:
+        """The builds this case runs on (refusal cases and "skip" cases do not run stock)."""
+        return ("patched",) if self.refusal or self.expect_stock == "skip" else ("patched", "stock")
 
     def digest(self) -> str:
         """Hash of everything that determines the saved models (plus the generator version)."""
@@ -75,9 +150,11 @@ class CaseSpec:
 
 
 # Bump when tiny.py changes what it writes for the same spec, so cached case directories are rebuilt.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 
 _WINDOW_NEGS = (NEG_FULL_ATTN, NEG_WINDOW_MINUS, NEG_WINDOW_PLUS)
+_MIXED = (SLIDING, SLIDING, FULL)
+REAL_WINDOW = 24  # real-shape: a window longer than the 16-token block, as 2048 is for the real drafter
 
 CASES: tuple[CaseSpec, ...] = (
     CaseSpec(
@@ -126,6 +203,125 @@ CASES: tuple[CaseSpec, ...] = (
         target_layer_ids=(1, 2),
         zero_lm_head=True,
         expect_stock="any",  # all logits are 0 whatever the taps: the case cannot tell builds apart
+    ),
+    # ---- config spellings (stock reads none of these fields: on every one it computes what `full` shows) ----
+    CaseSpec(
+        name="swa-window-size",
+        summary="window only in dflash_config.swa_window_size (upstream's spelling; the reference runs no window)",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        window_spelling="swa_window_size",
+        negatives=(NEG_REFERENCE_LITERAL, *_WINDOW_NEGS),
+        expect_stock="skip",
+    ),
+    CaseSpec(
+        name="dropped-window",
+        summary="sliding_window without use_sliding_window: transformers drops it, the trained window is used",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        window_spelling="dropped",
+        negatives=(NEG_REFERENCE_LITERAL, *_WINDOW_NEGS),
+        expect_stock="skip",
+        seed=1,
+    ),
+    CaseSpec(
+        name="use-swa",
+        summary="dflash_config.use_swa on full layer_types: every layer sliding, non-causal (symmetric window)",
+        layer_types=(FULL, FULL),
+        target_layer_ids=(1, 2),
+        sliding_window=WINDOW,
+        window_spelling="swa_window_size",
+        use_swa=True,
+        negatives=(NEG_REFERENCE_LITERAL, NEG_CAUSAL_WINDOW, NEG_WINDOW_MINUS, NEG_WINDOW_PLUS),
+        expect_stock="skip",
+    ),
+    CaseSpec(
+        name="non-causal-sliding",
+        summary="is_causal: false with sliding layers: symmetric window |q - k| < W, full layer non-causal",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        is_causal=False,
+        negatives=(NEG_CAUSAL_WINDOW, *_WINDOW_NEGS),
+        expect_stock="skip",
+        seed=2,
+    ),
+    CaseSpec(
+        name="dflash-causal",
+        summary="dflash_config.causal: true makes full layers causal (the reference ignores the field)",
+        layer_types=(FULL, FULL),
+        target_layer_ids=(1, 2),
+        dflash_causal=True,
+        negatives=(NEG_REFERENCE_LITERAL,),
+        expect_stock="skip",
+        seed=3,
+    ),
+    CaseSpec(
+        name="dflash-ids",
+        summary="target_layer_ids, block_size, mask_token_id only in dflash_config (decoys at the top level)",
+        layer_types=(FULL, FULL),
+        target_layer_ids=(0, 2),
+        ids_spelling="dflash_config",
+        negatives=(NEG_TAP_INPUT, NEG_TOP_LEVEL_IDS),
+        expect_stock="skip",
+        seed=4,
+    ),
+    CaseSpec(
+        name="speculators",
+        summary="speculators format: aux_hidden_state_layer_ids in vLLM's indexing (stock taps them right too)",
+        layer_types=(FULL, FULL),
+        target_layer_ids=(1, 2),
+        ids_spelling="speculators",
+        negatives=(NEG_TAP_INPUT,),
+        expect_stock="pass",
+        seed=5,
+    ),
+    CaseSpec(
+        name="real-shape",
+        summary="z-lab/Qwen3.6-27B-DFlash scaled down: 4 sliding + 1 full, block 16, taps 1/16/31/46/61 of 64",
+        layer_types=(SLIDING, SLIDING, SLIDING, SLIDING, FULL),
+        target_layer_ids=(1, 16, 31, 46, 61),
+        sliding_window=REAL_WINDOW,
+        window_spelling="dropped",
+        target_layers=64,
+        block_size=16,
+        prompt_lengths=(77, 90),
+        max_tokens=20,
+        negatives=(NEG_TAP_INPUT, NEG_REFERENCE_LITERAL, *_WINDOW_NEGS),
+        seed=6,
+    ),
+    # ---- configs the patched build must refuse at start-up (one line naming the field) ----
+    CaseSpec(
+        name="refuse-no-window",
+        summary="sliding layers with no window anywhere: refused (the reference silently runs them unwindowed)",
+        layer_types=(SLIDING, FULL),
+        target_layer_ids=(1, 2),
+        window_spelling="none",
+        refusal="has no positive window",
+        prompt_lengths=(9,),
+        max_tokens=4,
+    ),
+    CaseSpec(
+        name="refuse-unknown-kind",
+        summary="layer_types naming a kind DFlash has no meaning for (chunked_attention): refused",
+        layer_types=(SLIDING, "chunked_attention"),
+        target_layer_ids=(1, 2),
+        sliding_window=WINDOW,
+        refusal="layer_types[1] is 'chunked_attention'",
+        prompt_lengths=(9,),
+        max_tokens=4,
+    ),
+    CaseSpec(
+        name="refuse-top-level-ids",
+        summary="target_layer_ids only at the top level: refused (the runner would tap the default layers)",
+        layer_types=(FULL, FULL),
+        target_layer_ids=(0, 2),
+        ids_spelling="top_level",
+        refusal="target_layer_ids is given only at the top level",
+        prompt_lengths=(9,),
+        max_tokens=4,
     ),
 )
 
@@ -185,8 +381,13 @@ class CaseFile:
     dtype: str = "float32"
     digest: str = ""
     layer_types: list[str] = field(default_factory=list)
-    target_layer_ids: list[int] = field(default_factory=list)
+    target_layer_ids: list[int] = field(default_factory=list)  # DFlash ids (output of target layer L)
     sliding_window: int | None = None
+    attention: list[list[Any]] = field(default_factory=list)  # per layer [window or None, causal]: what to compute
+    reference_attention: list[list[Any]] = field(default_factory=list)  # the reference package's literal reading
+    decoy_target_layer_ids: list[int] = field(default_factory=list)  # top-level ids a wrong reading would use
+    refusal: str = ""
+    max_num_batched_tokens: int = 64  # above the longest prompt: no chunked prefill, one proposal per step
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -298,6 +298,8 @@ def judge(
 ) -> Outcome:
     """Verdict for one build on one case, from the oracle's metrics."""
     expected: str = "pass" if build == "patched" else spec.expect_stock
+    if spec.refusal:
+        return judge_refusal(spec, build, metrics, error)
     if metrics is None:
         return Outcome(spec.name, build, "error", expected, False, reasons=(error or "no metrics",))
     main = metrics["main"]
@@ -338,6 +340,8 @@ def judge(
         as_expected = status == "fail" and main["max_abs"] > tol.negative_min
         if status == "pass":
             reasons.append("stock 0.20.1 PASSED a case it must fail: the case no longer tests the bug")
+    elif expected == "pass":
+        as_expected = status == "pass"
     else:
         as_expected = True
     return Outcome(
@@ -356,6 +360,26 @@ def judge(
         stock_model_max_abs=stock_model,
         reasons=tuple(reasons),
     )
+
+
+def judge_refusal(spec: C.CaseSpec, build: str, summary: Mapping[str, Any] | None, error: str = "") -> Outcome:
+    """A case whose config the build must refuse at start-up: it passes when vLLM refused with a message containing
+    `spec.refusal` (the trace summary of vllm_side.check_refusal)."""
+    if summary is None:
+        return Outcome(spec.name, build, "error", "refuse", False, reasons=(error or "no trace",))
+    line = summary.get("refusal_line")
+    if summary.get("refused") and line:
+        return Outcome(spec.name, build, "refused", "refuse", True, reasons=(f"refused: {line.strip()[-240:]}",))
+    why = "started instead of refusing" if not summary.get("refused") else "refused without the expected message"
+    return Outcome(spec.name, build, "fail", "refuse", False, reasons=(f"{why} ({spec.refusal!r})",))
+
+
+def _summary(trace: Path) -> dict[str, Any] | None:
+    """The summary line of a vLLM-side trace (None when there is no trace)."""
+    if not trace.is_file():
+        return None
+    last = trace.read_text().strip().splitlines()[-1]
+    return dict(json.loads(last).get("summary") or {})
 
 
 def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOptions) -> ConformanceResult:
@@ -384,7 +408,7 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
         wheels[build] = wheel
         print(f"== {build}: {wheel.name}", flush=True)
         runner = vllm_runner(manifest, queues, wheel, options.device)
-        jobs = [(s.name, dirs[s.name], work / build / f"{s.name}.jsonl") for s in specs]
+        jobs = [(s.name, dirs[s.name], work / build / f"{s.name}.jsonl") for s in specs if build in s.builds]
         (work / build).mkdir(parents=True, exist_ok=True)
         for name, msg in run_vllm_side(runner, jobs, options.device).items():
             side_errors[(build, name)] = msg
@@ -393,13 +417,17 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
         (dirs[s.name], work / b / f"{s.name}.jsonl", work / b / f"{s.name}.metrics.json")
         for b in options.builds
         for s in specs
-        if (b, s.name) not in side_errors
+        if (b, s.name) not in side_errors and b in s.builds and not s.refusal
     ]
     run_oracle(ref_python, manifest, oracle_jobs, tol)
 
     outcomes: list[Outcome] = []
     for s in specs:
-        for b in options.builds:
+        for b in (b for b in options.builds if b in s.builds):
+            if s.refusal:
+                trace = work / b / f"{s.name}.jsonl"
+                outcomes.append(judge_refusal(s, b, _summary(trace), side_errors.get((b, s.name), "")))
+                continue
             mpath = work / b / f"{s.name}.metrics.json"
             metrics = json.loads(mpath.read_text()) if (b, s.name) not in side_errors and mpath.is_file() else None
             outcomes.append(judge(s, b, metrics, tol, side_errors.get((b, s.name), "")))

@@ -6,8 +6,10 @@ reads the vLLM side's per-step trace and recomputes every drafter proposal from 
 
 1. target forward (HF `Qwen3ForCausalLM`, fp32) over the step's context `token_ids[:context_len]`;
 2. taps with the reference's own `extract_context_feature` (it takes `hidden_states[L + 1]`, "output of layer L");
-3. the reference's own `DFlashDraftModel` over the block [bonus, mask x k] at positions context_len.., with its own
-   attention masks (sliding layers causal with window W, full layers non-causal), then its `compute_logits`.
+3. the reference's own `DFlashDraftModel` over the block [bonus, mask x k] at positions context_len.., with each
+   layer's (window, causal) set to the case's `attention` (vllm-dflash's reading of the config, README "Drafter config
+   fields"; identical to the reference's own attributes except where the README says why not), run through the
+   reference's own attention code and masks, then its `compute_logits`.
 
 Why no cache and not the reference's `dflash_generate`: the drafter's context K/V are a pure function of the taps,
 so a from-scratch forward equals the cached one, while the generate loop shortens its last blocks near max_length,
@@ -21,8 +23,11 @@ negative `postnorm-last-tap`. No published drafter taps the last layer (dflash's
 num_layers - 3; z-lab/Qwen3.6-27B-DFlash uses [1, 16, 31, 46, 61] of 64).
 
 Variants (negative controls): `tap-input` (hidden_states[L], vLLM 0.20.1's tap), `full-attention` (every layer
-full and non-causal: vLLM 0.20.1's drafter), `window-1`/`window+1`, `postnorm-last-tap`, and `stock-semantics`
-(tap-input + full-attention: what stock 0.20.1 computes; informational).
+full and non-causal: vLLM 0.20.1's drafter), `window-1`/`window+1`, `postnorm-last-tap`, `reference-literal` (the
+reference package's own reading of the config where ours differs: the window transformers dropped, use_swa and
+dflash_config.causal ignored), `causal-window` (every windowed layer causal: the reading that ignored is_causal),
+`top-level-ids` (decoy top-level target_layer_ids) and `stock-semantics` (tap-input + full-attention: what stock
+0.20.1 computes; informational).
 
 The host side (vllm_dflash.envs creates the environment, compare.py calls this module in it) never imports it.
 """
@@ -46,6 +51,9 @@ VARIANTS: tuple[str, ...] = (
     C.NEG_WINDOW_MINUS,
     C.NEG_WINDOW_PLUS,
     C.NEG_POSTNORM_LAST,
+    C.NEG_REFERENCE_LITERAL,
+    C.NEG_CAUSAL_WINDOW,
+    C.NEG_TOP_LEVEL_IDS,
     C.STOCK_MODEL,
 )
 
@@ -56,11 +64,14 @@ class Variant:
 
     tap_offset: int = 1  # 1: output of layer L (reference); 0: input of layer L (vLLM 0.20.1)
     postnorm_last: bool = False  # last-layer tap after the final norm (the reference package literally)
-    attention: str = "reference"  # "reference" | "full" (all layers non-causal, no window) | "window"
-    window_delta: int = 0  # with attention == "window": sliding layers use W + delta
+    # "case": the case's attention | "full": all layers non-causal, no window | "reference": the reference package's
+    # own layer attributes | "causal-window": the case's, with every windowed layer causal
+    attention: str = "case"
+    window_delta: int = 0  # windowed layers use W + delta
+    top_level_ids: bool = False  # tap the decoy top-level target_layer_ids
 
 
-_WINDOW_VARIANTS = (C.NEG_FULL_ATTN, C.NEG_WINDOW_MINUS, C.NEG_WINDOW_PLUS)
+_WINDOW_VARIANTS = (C.NEG_FULL_ATTN, C.NEG_WINDOW_MINUS, C.NEG_WINDOW_PLUS, C.NEG_CAUSAL_WINDOW)
 
 
 def variant(name: str) -> Variant:
@@ -68,9 +79,12 @@ def variant(name: str) -> Variant:
         MAIN: Variant(),
         C.NEG_TAP_INPUT: Variant(tap_offset=0),
         C.NEG_FULL_ATTN: Variant(attention="full"),
-        C.NEG_WINDOW_MINUS: Variant(attention="window", window_delta=-1),
-        C.NEG_WINDOW_PLUS: Variant(attention="window", window_delta=1),
+        C.NEG_WINDOW_MINUS: Variant(window_delta=-1),
+        C.NEG_WINDOW_PLUS: Variant(window_delta=1),
         C.NEG_POSTNORM_LAST: Variant(postnorm_last=True),
+        C.NEG_REFERENCE_LITERAL: Variant(attention="reference"),
+        C.NEG_CAUSAL_WINDOW: Variant(attention="causal-window"),
+        C.NEG_TOP_LEVEL_IDS: Variant(top_level_ids=True),
         C.STOCK_MODEL: Variant(tap_offset=0, attention="full"),
     }[name]
 
@@ -92,7 +106,17 @@ class ReferenceOracle:
         self.case_dir = case_dir
         self.case = C.CaseFile.from_json((case_dir / "case.json").read_text())
         self.target = Qwen3ForCausalLM.from_pretrained(case_dir / self.case.target, dtype=torch.float32).eval()
-        self.drafter = DFlashDraftModel.from_pretrained(case_dir / self.case.drafter, dtype=torch.float32).eval()
+        drafter_dir = case_dir / self.case.drafter
+        if (drafter_dir / "reference_config.json").is_file():
+            # A speculators-format checkpoint: the reference loads the plain config it was made from.
+            from safetensors.torch import load_file
+            from transformers import Qwen3Config
+
+            config = Qwen3Config.from_dict(json.loads((drafter_dir / "reference_config.json").read_text()))
+            self.drafter = DFlashDraftModel(config).eval()
+            self.drafter.load_state_dict(load_file(drafter_dir / "model.safetensors"))
+        else:
+            self.drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32).eval()
         self.k = self.case.num_speculative_tokens
         if self.drafter.block_size != self.k + 1:
             raise ValueError(f"drafter block_size {self.drafter.block_size} != 1 + k ({self.k + 1})")
@@ -105,8 +129,12 @@ class ReferenceOracle:
                 head = torch.nn.Linear(self.target.config.hidden_size, self.target.config.vocab_size, bias=False)
                 head.weight.data.copy_(fh.get_tensor("lm_head.weight"))
                 self.head = head
-        self._windows = [layer.self_attn.sliding_window for layer in self.drafter.layers]
-        self._causal = [layer.self_attn.is_causal for layer in self.drafter.layers]
+        # The reference's own reading of the config (its layer attributes) must be what cases.py says it is.
+        self._reference = [(a.self_attn.sliding_window, bool(a.self_attn.is_causal)) for a in self.drafter.layers]
+        literal = [(w, bool(c)) for w, c in self.case.reference_attention]
+        if literal and self._reference != literal:
+            raise ValueError(f"{self.case.name}: the reference reads {self._reference}, cases.py says {literal}")
+        self._case = [(w, bool(c)) for w, c in self.case.attention] or self._reference
 
     # -- target ---------------------------------------------------------------------------------------------------
 
@@ -140,7 +168,8 @@ class ReferenceOracle:
         if v.tap_offset == 0:
             # extract_context_feature reads states[L + 1]; shifting the list by one makes that the input of layer L.
             states = [None, *states[:-1]]
-        return extract_context_feature(states, list(self.drafter.target_layer_ids))
+        ids = self.case.decoy_target_layer_ids if v.top_level_ids else self.drafter.target_layer_ids
+        return extract_context_feature(states, list(ids))
 
     def greedy(self, prompt: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
         """Plain greedy continuation of the target (no EOS stop, like the vLLM side) and each step's top-2 gap."""
@@ -158,18 +187,28 @@ class ReferenceOracle:
 
     # -- drafter --------------------------------------------------------------------------------------------------
 
+    def layer_attention(self, v: Variant) -> list[tuple[int | None, bool]]:
+        """(window, causal) per drafter layer under variant `v`."""
+        if v.attention == "full":
+            return [(None, False)] * len(self._case)
+        if v.attention == "reference":
+            return list(self._reference)
+        out = []
+        for window, causal in self._case:
+            if window is not None:
+                window += v.window_delta
+                causal = causal or v.attention == "causal-window"
+            out.append((window, causal))
+        return out
+
     @contextmanager
     def _attention(self, v: Variant) -> Iterator[None]:
         try:
-            for layer, window in zip(self.drafter.layers, self._windows, strict=True):
-                attn = layer.self_attn
-                if v.attention == "full":
-                    attn.is_causal, attn.sliding_window = False, None
-                elif v.attention == "window" and window is not None:
-                    attn.sliding_window = window + v.window_delta
+            for layer, (window, causal) in zip(self.drafter.layers, self.layer_attention(v), strict=True):
+                layer.self_attn.sliding_window, layer.self_attn.is_causal = window, causal
             yield
         finally:
-            for layer, window, causal in zip(self.drafter.layers, self._windows, self._causal, strict=True):
+            for layer, (window, causal) in zip(self.drafter.layers, self._reference, strict=True):
                 layer.self_attn.sliding_window, layer.self_attn.is_causal = window, causal
 
     def draft_logits(self, hs: list[Any], context_len: int, bonus: int, v: Variant) -> Any:
@@ -319,6 +358,9 @@ class SelfTest:
     max_abs_vs_loop: float = 0.0
     loop_is_greedy: bool = False  # the reference loop's output equals the target's plain greedy
     variant_max_abs: dict[str, float] = field(default_factory=dict)  # each variant vs the oracle, same steps
+    # The reference's own loop cannot run this config (e.g. transformers' DynamicCache refuses a sliding layer type
+    # without a window): the error, and the variants are then compared at the greedy sequence's first positions.
+    loop_error: str = ""
 
 
 def selftest(oracle: ReferenceOracle, max_new_tokens: int = 16) -> SelfTest:
@@ -329,8 +371,9 @@ def selftest(oracle: ReferenceOracle, max_new_tokens: int = 16) -> SelfTest:
 
     drafter = oracle.drafter
     spec = C.get_cases([oracle.case.name])[0]
-    # The loop reads the literal hidden_states[L + 1] (post-norm for the last layer), so compare like with like.
-    literal = C.NEG_POSTNORM_LAST if (C.TARGET_LAYERS - 1) in spec.target_layer_ids else MAIN
+    # The loop runs the reference literally: its own reading of the config, and hidden_states[L + 1] (post-norm for
+    # the last layer). Compare like with like.
+    literal = Variant(attention="reference", postnorm_last=(spec.target_layers - 1) in spec.target_layer_ids)
     calls: list[tuple[int, Any]] = []
     block_ends: list[int] = []
     orig_forward, orig_logits = drafter.forward, drafter.compute_logits
@@ -345,25 +388,39 @@ def selftest(oracle: ReferenceOracle, max_new_tokens: int = 16) -> SelfTest:
         return logits
 
     prompt = oracle.case.prompts[0]
+    # Enough new tokens for several full blocks (the loop shortens its last blocks).
+    max_new_tokens = max(max_new_tokens, 12 + spec.block_size)
     drafter.forward, drafter.compute_logits = forward, compute_logits
+    loop_error = ""
     try:
-        out = dflash_generate(drafter, oracle.target, torch.tensor([prompt]), max_new_tokens, None)
+        ids = dflash_generate(drafter, oracle.target, torch.tensor([prompt]), max_new_tokens, None)[0].tolist()
+    except (TypeError, ValueError) as exc:
+        loop_error = f"{type(exc).__name__}: {exc}"
     finally:
         del drafter.forward, drafter.compute_logits
-    ids = out[0].tolist()
+    if loop_error:
+        greedy, _ = oracle.greedy(prompt, 4)
+        ids = list(prompt) + greedy
+        calls = [(len(prompt) + j, None) for j in range(4)]
     greedy, _ = oracle.greedy(prompt, len(ids) - len(prompt))
-    result = SelfTest(case=oracle.case.name, loop_is_greedy=ids[len(prompt) :] == greedy)
+    result = SelfTest(case=oracle.case.name, loop_is_greedy=ids[len(prompt) :] == greedy, loop_error=loop_error)
     # Every variant that applies to the case (not only the listed negatives): e.g. `tap-input` on window-only
     # must come out ~0, which proves the identity target layer makes the tap shift invisible there.
-    names = tuple(n for n in VARIANTS if spec.has_sliding or n not in _WINDOW_VARIANTS)
+    names = tuple(
+        n
+        for n in VARIANTS
+        if (spec.has_sliding or n not in _WINDOW_VARIANTS)
+        and (n != C.NEG_TOP_LEVEL_IDS or oracle.case.decoy_target_layer_ids)
+    )
     result.variant_max_abs = {name: 0.0 for name in names}
     for start, logits in calls:
-        if logits.shape[0] != oracle.k:
+        if logits is not None and logits.shape[0] != oracle.k:
             result.steps_skipped += 1
             continue
         hs = oracle.hidden_states(ids[:start])
-        want = oracle.draft_logits(hs, start, ids[start], variant(literal))
-        result.max_abs_vs_loop = max(result.max_abs_vs_loop, float((logits - want).abs().max()))
+        if logits is not None:
+            want = oracle.draft_logits(hs, start, ids[start], literal)
+            result.max_abs_vs_loop = max(result.max_abs_vs_loop, float((logits - want).abs().max()))
         main = oracle.draft_logits(hs, start, ids[start], variant(MAIN))
         for name in names:
             other = oracle.draft_logits(hs, start, ids[start], variant(name))

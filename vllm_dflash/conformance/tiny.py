@@ -6,7 +6,9 @@ through `build_cases`, which caches each case directory under a hash of its spec
 
 The drafter is instantiated from the reference package's own `DFlashDraftModel`, so its parameter names and config
 keys are by construction the ones the reference reads; vLLM reads the same config.json through its EAGLE config path
-(`architectures: ["DFlashDraftModel"]`, `dflash_config.target_layer_ids` / `mask_token_id`).
+(`architectures: ["DFlashDraftModel"]`, `dflash_config.target_layer_ids` / `mask_token_id`). The case's
+`window_spelling` / `ids_spelling` then decide how config.json spells the window and the ids; a speculators-format
+drafter keeps the plain config the reference loads in `reference_config.json` next to it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from vllm_dflash.conformance import cases as C
 
 CASE_FILE = "case.json"
+REFERENCE_CONFIG = "reference_config.json"  # speculators-format drafters: the plain config the reference loads
 # Larger than HF's default 0.02 so logits are O(1): wrong semantics then move logits by O(1), far above 1e-4.
 INIT_STD = 0.1
 
@@ -95,7 +98,7 @@ def build_target(spec: C.CaseSpec, out: Path) -> None:
 
     torch.manual_seed(spec.seed)
     gen = torch.Generator().manual_seed(spec.seed + 1)
-    config = Qwen3Config(**_common_config(), num_hidden_layers=C.TARGET_LAYERS, architectures=["Qwen3ForCausalLM"])
+    config = Qwen3Config(**_common_config(), num_hidden_layers=spec.target_layers, architectures=["Qwen3ForCausalLM"])
     model = Qwen3ForCausalLM(config).eval()
     _randomize_norms(model, gen)
     with torch.no_grad():
@@ -111,23 +114,80 @@ def build_target(spec: C.CaseSpec, out: Path) -> None:
     build_tokenizer(out)
 
 
+DECOY_MASK_TOKEN_ID = 258  # a valid special token that is not the mask token
+
+
+def decoy_target_layer_ids(spec: C.CaseSpec) -> list[int]:
+    """Top-level target_layer_ids a build reading the wrong place would tap (ids_spelling "dflash_config")."""
+    return [spec.target_layers - 1 - i for i in spec.target_layer_ids]
+
+
 def drafter_config(spec: C.CaseSpec) -> Any:
+    """The drafter's config as the reference package loads it (the "dropped" window is added to config.json later,
+    after transformers has dropped it, exactly as a checkpoint written that way behaves)."""
     from transformers import Qwen3Config
 
-    sliding = spec.has_sliding
+    keep_window = spec.window_spelling == "sliding_window" and spec.sliding_window is not None
+    dflash: dict[str, Any] = {"target_layer_ids": list(spec.target_layer_ids), "mask_token_id": C.MASK_TOKEN_ID}
+    extra: dict[str, Any] = {"block_size": spec.block_size}
+    if spec.window_spelling == "swa_window_size":
+        dflash["swa_window_size"] = spec.sliding_window
+    if spec.use_swa:
+        dflash["use_swa"] = True
+    if spec.dflash_causal is not None:
+        dflash["causal"] = spec.dflash_causal
+    if spec.is_causal is not None:
+        extra["is_causal"] = spec.is_causal
+    if spec.ids_spelling == "top_level":
+        extra["target_layer_ids"] = dflash.pop("target_layer_ids")
+    if spec.ids_spelling == "dflash_config":
+        dflash["block_size"] = spec.block_size
+        extra.update(
+            block_size=2 * spec.block_size,
+            target_layer_ids=decoy_target_layer_ids(spec),
+            mask_token_id=DECOY_MASK_TOKEN_ID,
+        )
     return Qwen3Config(
         **_common_config(),
         num_hidden_layers=len(spec.layer_types),
         layer_types=list(spec.layer_types),
         # transformers drops sliding_window unless use_sliding_window is set; the reference reads it from here.
-        use_sliding_window=sliding,
-        sliding_window=spec.sliding_window if sliding else None,
+        use_sliding_window=keep_window,
+        sliding_window=spec.sliding_window if keep_window else None,
         max_window_layers=0,
         architectures=["DFlashDraftModel"],
-        num_target_layers=C.TARGET_LAYERS,
-        block_size=C.BLOCK_SIZE,
-        dflash_config={"target_layer_ids": list(spec.target_layer_ids), "mask_token_id": C.MASK_TOKEN_ID},
+        num_target_layers=spec.target_layers,
+        dflash_config=dflash,
+        **extra,
     )
+
+
+def _spell_config(spec: C.CaseSpec, out: Path, cfg: dict[str, Any]) -> None:
+    """Rewrite the saved config.json into the case's spelling (what a checkpoint written that way contains)."""
+    if spec.window_spelling == "dropped":
+        cfg.pop("use_sliding_window", None)
+        cfg["sliding_window"] = spec.sliding_window
+    if spec.ids_spelling == "speculators":
+        (out / REFERENCE_CONFIG).write_text(json.dumps(cfg, indent=1))
+        layer = {k: v for k, v in cfg.items() if k not in ("architectures", "dflash_config", "block_size")}
+        cfg = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "speculators",
+            "speculators_model_type": "dflash",
+            "speculators_version": "0.3.0",
+            # vLLM's indexing: hidden state entering layer L + 1 = output of layer L (DFlash id L).
+            "aux_hidden_state_layer_ids": [i + 1 for i in spec.target_layer_ids],
+            "mask_token_id": C.MASK_TOKEN_ID,
+            "draft_vocab_size": C.VOCAB,
+            "transformer_layer_config": layer,
+            "speculators_config": {
+                "algorithm": "dflash",
+                "proposal_methods": [{"proposal_type": "dflash", "speculative_tokens": spec.num_speculative_tokens}],
+                "default_proposal_method": "dflash",
+                "verifier": {"name_or_path": "../target", "architectures": ["Qwen3ForCausalLM"]},
+            },
+        }
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
 
 
 def build_drafter(spec: C.CaseSpec, out: Path) -> None:
@@ -142,10 +202,12 @@ def build_drafter(spec: C.CaseSpec, out: Path) -> None:
     _randomize_norms(model, gen)
     model.save_pretrained(out, safe_serialization=True)
     cfg = json.loads((out / "config.json").read_text())
+    kept = spec.sliding_window if spec.window_spelling == "sliding_window" else None
     got = (cfg.get("architectures"), cfg.get("layer_types"), cfg.get("sliding_window"), cfg.get("dflash_config"))
-    want = (["DFlashDraftModel"], list(spec.layer_types), spec.sliding_window, config.dflash_config)
-    if got != want:
+    want = (["DFlashDraftModel"], list(spec.layer_types), kept, config.dflash_config)
+    if got != want or cfg.get("is_causal") != spec.is_causal:
         raise RuntimeError(f"drafter config.json for {spec.name} lost a field on save: {got} != {want}")
+    _spell_config(spec, out, cfg)
     if spec.zero_lm_head:
         # The drafter's own lm_head (vLLM uses a drafter lm_head when the checkpoint has one; the reference always
         # uses the target's, which is zeroed too, so both sides compute all-zero logits).
@@ -182,6 +244,11 @@ def build_case(spec: C.CaseSpec, out: Path) -> Path:
             layer_types=list(spec.layer_types),
             target_layer_ids=list(spec.target_layer_ids),
             sliding_window=spec.sliding_window,
+            attention=[list(a) for a in spec.attention],
+            reference_attention=[list(a) for a in spec.reference_attention],
+            decoy_target_layer_ids=decoy_target_layer_ids(spec) if spec.ids_spelling == "dflash_config" else [],
+            refusal=spec.refusal,
+            max_num_batched_tokens=max(64, max(spec.prompt_lengths) + 2 * spec.block_size),
         )
         (tmp / CASE_FILE).write_text(case.to_json())
         if out.exists():

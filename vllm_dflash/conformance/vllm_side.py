@@ -6,20 +6,28 @@ with our test plugin (tests/conformance_plugin) importable. Standard library, to
 import without vllm_dflash's own dependencies.
 
 Per case it builds `LLM(target, speculative_config={"method": "dflash", ...})` (float32, greedy, eager, in-process
-engine), generates each prompt on its own (one sequence at a time, so the recorder's lines for a prompt are the
-ones it appends during that prompt's generate call), and writes one JSON line per drafter proposal:
+engine; on CPU also an in-process worker, see `_executor`), generates each prompt on its own (one sequence at a
+time, so the recorder's lines for a prompt are the ones it appends during that prompt's generate call), and writes
+one JSON line per drafter proposal:
     {"request", "step", "token_ids" (sequence up to and including the block's bonus token), "context_len",
      "block_start", "logits" (k rows x vocab), "draft_ids" (k)}
 then {"summary": {"outputs", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos", ...}}.
+
+A case whose config the build must refuse (case.json "refusal") records, instead of proposals, whether vLLM refused to
+start and the log line that says why: {"summary": {"refused": bool, "refusal_line": str | null, ...}}. The drafter is
+built in vLLM's worker process, so the message is read from the start-up log (stderr, captured and passed through).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +48,67 @@ def _prepare_environ(device: str) -> None:
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+        # Every LLM starts a fresh worker whose warm-up torch.compile's the top-k/top-p sampler (20-50 s on 2 cores).
+        # Greedy decoding never uses it and the drafter runs eagerly (enforce_eager) either way: run it uncompiled.
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+def _executor(device: str) -> Any:
+    """vLLM's CPU platform turns the "uni" executor into a worker process per LLM (7-10 s of imports each on 2 cores);
+    the executor class itself runs the worker in this process, as on a GPU with one device. Same model code, same
+    kernels: only where the worker lives changes."""
+    if device != "cpu":
+        return None
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    return UniProcExecutor
+
+
+@contextlib.contextmanager
+def _captured_output() -> Iterator[list[str]]:
+    """Capture file descriptors 1 and 2 (vLLM logs to stdout; worker processes inherit both) and pass the text
+    through afterwards."""
+    lines: list[str] = []
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    with tempfile.TemporaryFile() as tmp:
+        for fd in saved:
+            os.dup2(tmp.fileno(), fd)
+        try:
+            yield lines
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace")
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            lines.extend(text.splitlines())
+
+
+def check_refusal(case_dir: Path, out_path: Path, llm_kwargs: dict[str, Any], refusal: str) -> dict[str, Any]:
+    """Start vLLM on a case it must refuse; record whether it refused and the line saying why."""
+    from vllm import LLM
+
+    refused = False
+    error = ""
+    with _captured_output() as lines:
+        try:
+            llm = LLM(**llm_kwargs)
+        except Exception as exc:  # vLLM reports a failed start-up as one of several exception types
+            refused, error = True, f"{type(exc).__name__}: {exc}"
+        else:
+            del llm
+            gc.collect()
+    found = next((line for line in [error, *lines] if refusal in line), None)
+    summary = {"case": case_dir.name, "refused": refused, "refusal_line": found, "error": error[:2000]}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({"summary": summary}) + "\n")
+    return summary
 
 
 def _spec_metrics(llm: Any) -> dict[str, Any]:
@@ -71,7 +140,7 @@ def run_case(case_dir: Path, out_path: Path, device: str) -> dict[str, Any]:
     record_file = Path(os.environ[RECORD_FILE_VAR])
     k = int(case["num_speculative_tokens"])
     t0 = time.perf_counter()
-    llm = LLM(
+    llm_kwargs: dict[str, Any] = dict(
         model=str(case_dir / case.get("target", "target")),
         tokenizer=str(case_dir / case.get("target", "target")),
         speculative_config={
@@ -89,7 +158,11 @@ def run_case(case_dir: Path, out_path: Path, device: str) -> dict[str, Any]:
         seed=int(case.get("seed", 0)),
         disable_log_stats=False,
         enable_prefix_caching=False,
+        distributed_executor_backend=_executor(device),
     )
+    if case.get("refusal"):
+        return check_refusal(case_dir, out_path, llm_kwargs, case["refusal"])
+    llm = LLM(**llm_kwargs)
     t_init = time.perf_counter() - t0
     params = SamplingParams(
         temperature=0.0, max_tokens=int(case["max_tokens"]), ignore_eos=bool(case.get("ignore_eos", True))
@@ -168,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
             summary = run_case(case_dir, out, device)
         finally:
             record_file.unlink(missing_ok=True)
+        if "refused" in summary:
+            print(f"vllm_side: {summary['case']}: refused={summary['refused']}: {summary['refusal_line']}", flush=True)
+            continue
         print(
             f"vllm_side: {summary['case']}: {summary['num_proposals_recorded']} proposals, "
             f"drafts {summary['num_drafts']}, accepted {summary['num_accepted_tokens']}, "

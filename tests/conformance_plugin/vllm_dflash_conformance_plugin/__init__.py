@@ -1,4 +1,4 @@
-"""TEST-ONLY vLLM plugin for vllm-dflash's CPU conformance test (see README.md). Inert unless
+"""TEST-ONLY vLLM plugin for vllm-dflash's conformance test (see README.md): the drafter-logit recorder. Inert unless
 VLLM_DFLASH_TEST_PLUGIN=1."""
 
 from __future__ import annotations
@@ -15,10 +15,6 @@ def register() -> None:
     if _done or os.environ.get(ENABLE_VAR) != "1":
         return
     _done = True
-    from vllm.platforms import current_platform
+    from . import recorder
 
-    from . import recorder, shims
-
-    if current_platform.is_cpu():
-        shims.apply()  # CPU plumbing 0.20.1 lacks; a GPU run needs only the recorder
     recorder.install()

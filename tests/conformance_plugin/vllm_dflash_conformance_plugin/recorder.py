@@ -3,8 +3,9 @@
 The proposer runs the drafter over one block per request, [bonus, mask x k] at positions block_start..block_start+k,
 then computes logits for the k mask rows and drafts their argmax. We wrap the drafter model's `forward` (to see the
 block's input ids and positions) and `compute_logits` (to see the logits), pair them, and append one JSON line per
-proposal to the file named by $VLLM_DFLASH_RECORD_FILE (vLLM's CPU platform always runs the model in a worker
-process, so the driver reads the file). Nothing is changed: both wrappers return what the wrapped method returns.
+proposal to the file named by $VLLM_DFLASH_RECORD_FILE at that moment (the model may run in a worker process, so
+the driver reads the file; with an in-process worker, one process runs several cases, each with its own file).
+Nothing is changed: both wrappers return what the wrapped method returns.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ _state: dict[str, Any] = {"block": None}
 
 
 def install() -> None:
-    path = os.environ.get(RECORD_FILE_VAR)
-    if not path:
+    if not os.environ.get(RECORD_FILE_VAR):
         return
     import torch
     from vllm.model_executor.models import qwen3_dflash
@@ -41,7 +41,8 @@ def install() -> None:
         logits = orig_logits(self, hidden_states)
         block = _state["block"]
         _state["block"] = None
-        if block is not None and logits is not None:
+        path = os.environ.get(RECORD_FILE_VAR)
+        if block is not None and logits is not None and path:
             ids, pos = block
             k = int(logits.shape[0])
             rows = logits.detach().float().cpu()
