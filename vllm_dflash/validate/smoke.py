@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,6 +134,7 @@ class Completion:
     completion_tokens: int
     start: float  # time.monotonic()
     end: float
+    counters: metrics.SpecCounters | None = None  # a /metrics scrape right after this request (sequential runs)
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,10 @@ def check_model(client: Any, model: str, base_url: str) -> None:
 
 
 def run_prompts(base_url: str, profile: Profile, prompts: Sequence[Prompt], show_progress: bool = True) -> RunResult:
-    """Send every prompt as a chat completion (greedy unless the profile says otherwise) with bounded concurrency."""
+    """Send every prompt as a chat completion (greedy unless the profile says otherwise) with bounded concurrency.
+
+    With concurrency 1 the requests run one after another and /metrics is scraped after each, so every prompt's own
+    drafts and acceptances are known (per-prompt acceptance lengths, not only the pooled one)."""
     from openai import OpenAI
     from rich.progress import Progress
 
@@ -209,7 +213,8 @@ def run_prompts(base_url: str, profile: Profile, prompts: Sequence[Prompt], show
         end = time.monotonic()
         text = resp.choices[0].message.content or "" if resp.choices else ""
         tokens = resp.usage.completion_tokens if resp.usage else 0
-        return Completion(prompt_id=prompt.id, text=text, completion_tokens=tokens, start=start, end=end)
+        counters = metrics.scrape(base_url) if profile.concurrency == 1 else None
+        return Completion(prompt.id, text, tokens, start, end, counters)
 
     results: list[Completion] = []
     with (
@@ -250,7 +255,9 @@ class Verdict:
         }
 
 
-def judge(profile: Profile, acc: Acceptance, match_rate: float | None) -> list[Verdict]:
+def judge(
+    profile: Profile, acc: Acceptance, match_rate: float | None, reference_al: float | None = None
+) -> list[Verdict]:
     al = acc.mean_acceptance_length
     out = [
         Verdict(
@@ -272,12 +279,25 @@ def judge(profile: Profile, acc: Acceptance, match_rate: float | None) -> list[V
                 f"AL {al:.3f} >= {profile.expected_tolerance:g} x reference {profile.expected_acceptance_length:g}",
             )
         )
+    if profile.reference_tolerance is not None:
+        ok = reference_al is not None and al >= profile.reference_tolerance * reference_al
+        floor_ref = profile.reference_tolerance * reference_al if reference_al is not None else None
+        detail = (
+            f"AL {al:.3f} >= {profile.reference_tolerance:g} x the reference loop's {reference_al:.3f} (same run)"
+            if reference_al is not None
+            else "needs the reference loop's AL (no reference was run)"
+        )
+        out.append(Verdict("reference_acceptance_length", ok, al, floor_ref, detail))
     for pos, floor in enumerate(profile.position_floors):
         rate = acc.per_position_rate[pos] if pos < len(acc.per_position_rate) else 0.0
         out.append(Verdict(f"position_{pos}_rate", rate >= floor, rate, floor, f"position {pos} rate >= {floor:g}"))
     if profile.min_match_rate is not None:
         ok = match_rate is not None and match_rate >= profile.min_match_rate
-        detail = "needs a baseline run" if match_rate is None else f"match rate >= {profile.min_match_rate:g}"
+        detail = (
+            "needs a baseline or reference run"
+            if match_rate is None
+            else f"outputs equal to the target's plain greedy ones: rate >= {profile.min_match_rate:g}"
+        )
         out.append(Verdict("min_match_rate", ok, match_rate, profile.min_match_rate, detail))
     return out
 
@@ -343,6 +363,82 @@ def _server(choice: ServerChoice, profile: Profile, speculative: bool) -> Iterat
             yield s
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The reference's own generation loop on the same prompts (dflash's `dflash_generate`, greedy), pooled the way
+    vLLM pools; its outputs are what a lossless build must reproduce."""
+
+    acceptance_length: float
+    per_prompt: Mapping[str, float]  # prompt id -> that prompt's AL
+    texts: Mapping[str, str]  # prompt id -> generated text (special tokens skipped, as vLLM's API returns it)
+    detail: Mapping[str, Any] = field(default_factory=dict)  # what the loop reports beyond that (kept in the report)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One server's run of the prompts: what it serves, its counters, its outputs."""
+
+    server: Mapping[str, Any]
+    before: metrics.SpecCounters
+    after: metrics.SpecCounters
+    run: RunResult
+    timings: Mapping[str, float]
+
+    @property
+    def delta(self) -> metrics.SpecCounters:
+        return self.after.minus(self.before)
+
+    def per_prompt_al(self) -> dict[str, float]:
+        """Each prompt's own AL, from the scrape after it (sequential runs only; empty otherwise)."""
+        out: dict[str, float] = {}
+        prev = self.before
+        for c in self.run.completions:
+            if c.counters is None:
+                return {}
+            d = c.counters.minus(prev)
+            prev = c.counters
+            if d.drafts > 0:
+                out[c.prompt_id] = 1 + d.accepted / d.drafts
+        return out
+
+    def texts(self) -> dict[str, str]:
+        return {c.prompt_id: c.text for c in self.run.completions}
+
+
+def measure(
+    choice: ServerChoice, profile: Profile, prompts: Sequence[Prompt], show: bool, speculative: bool = True
+) -> Measurement:
+    """Start (or reach) the server, run the prompts, and take the counters around the run."""
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+    with _server(choice, profile, speculative=speculative) as server:
+        timings["server_ready_s"] = time.monotonic() - t0
+        t = time.monotonic()
+        before = metrics.scrape(server.base_url)
+        timings["scrape_before_s"] = time.monotonic() - t
+        run = run_prompts(server.base_url, profile, prompts, show_progress=show)
+        t = time.monotonic()
+        after = metrics.scrape(server.base_url)
+        timings["scrape_after_s"] = time.monotonic() - t
+        timings["requests_busy_s"] = run.busy_s
+        described = {"base_url": server.base_url, **server.provenance.as_dict()}
+    return Measurement(server=described, before=before, after=after, run=run, timings=timings)
+
+
+def _match_rate(got: Mapping[str, str], want: Mapping[str, str]) -> tuple[int, float]:
+    matches = sum(1 for pid, text in want.items() if got.get(pid) == text)
+    return matches, (matches / len(want) if want else 0.0)
+
+
+def _comparison(m: Measurement, reference: Reference | None) -> dict[str, Any]:
+    acc = metrics.acceptance(m.delta)
+    out: dict[str, Any] = {"server": dict(m.server), "counters": m.delta.as_dict(), "acceptance": acc.as_dict()}
+    if reference is not None:
+        matches, rate = _match_rate(m.texts(), reference.texts)
+        out["lossless_vs_reference"] = {"matches": matches, "rate": rate}
+    return out
+
+
 def validate(
     profile: Profile,
     choice: ServerChoice,
@@ -351,8 +447,15 @@ def validate(
     baseline: bool | None = None,
     show: bool = True,
     prompt_set: str | None = None,
+    comparisons: Mapping[str, ServerChoice] | None = None,
+    reference: Callable[[], Reference] | None = None,
 ) -> ValidationResult:
-    """Run the smoke test and write the sealed report; the exit code says pass (0), fail (1) or unmeasured (2)."""
+    """Run the smoke test and write the sealed report; the exit code says pass (0), fail (1) or unmeasured (2).
+
+    `comparisons` are other servers run on the same prompts and reported beside the validated one (the stock build,
+    say); `reference` computes the reference loop's result on them (its AL gates `reference_tolerance`, its outputs
+    the lossless check). Neither changes what is validated: the artifact of `choice`.
+    """
     t0 = time.monotonic()
     started = _now()
     prompts = list(prompts) if prompts is not None else load_prompts(profile.prompts, profile.num_prompts)
@@ -375,41 +478,50 @@ def validate(
         "counters": None,
         "acceptance": None,
         "baseline": None,
+        "comparisons": None,
+        "reference": None,
         "gates": [],
         "verdict": "error",
         "error": None,
         "timestamps": {"started": started},
     }
     timings: dict[str, float] = {}
-    run: RunResult | None = None
     try:
-        t_srv = time.monotonic()
-        with _server(choice, profile, speculative=True) as server:
-            timings["server_ready_s"] = time.monotonic() - t_srv
-            body["server"] = {"base_url": server.base_url, **server.provenance.as_dict()}
-            t = time.monotonic()
-            before = metrics.scrape(server.base_url)
-            timings["scrape_before_s"] = time.monotonic() - t
-            run = run_prompts(server.base_url, profile, prompts, show_progress=show)
-            t = time.monotonic()
-            after = metrics.scrape(server.base_url)
-            timings["scrape_after_s"] = time.monotonic() - t
-            timings["requests_busy_s"] = run.busy_s
-        delta = after.minus(before)
-        body["counters"] = {"before": before.as_dict(), "after": after.as_dict(), "delta": delta.as_dict()}
+        m = measure(choice, profile, prompts, show)
+        timings.update(m.timings)
+        body["server"] = dict(m.server)
+        delta = m.delta
+        body["counters"] = {"before": m.before.as_dict(), "after": m.after.as_dict(), "delta": delta.as_dict()}
         body["throughput"] = {
-            "output_tokens": run.output_tokens,
-            "wall_s": run.wall_s,
-            "tokens_per_s": run.tokens_per_s,
+            "output_tokens": m.run.output_tokens,
+            "wall_s": m.run.wall_s,
+            "tokens_per_s": m.run.tokens_per_s,
         }
         acc = metrics.acceptance(delta)  # MeasurementError on no speculation / zero drafts
         body["acceptance"] = acc.as_dict()
         match_rate = None
         if want_baseline:
             t = time.monotonic()
-            body["baseline"], match_rate = _baseline(choice, profile, prompts, run, show)
+            body["baseline"], match_rate = _baseline(choice, profile, prompts, m.run, show)
             timings["baseline_s"] = time.monotonic() - t
-        verdicts = judge(profile, acc, match_rate)
+        others: dict[str, Measurement] = {}
+        for name, other in (comparisons or {}).items():
+            t = time.monotonic()
+            others[name] = measure(other, profile, prompts, show)
+            timings[f"{name}_s"] = time.monotonic() - t
+        ref = None
+        if reference is not None:
+            t = time.monotonic()
+            ref = reference()
+            timings["reference_s"] = time.monotonic() - t
+            body["reference"] = {"acceptance_length": ref.acceptance_length, **ref.detail}
+            matches, rate = _match_rate(m.texts(), ref.texts)
+            body["lossless_vs_reference"] = {"matches": matches, "rate": rate}
+            match_rate = rate if match_rate is None else min(match_rate, rate)
+        if others:
+            body["comparisons"] = {name: _comparison(o, ref) for name, o in others.items()}
+        body["per_prompt"] = _per_prompt(m, others, ref)
+        verdicts = judge(profile, acc, match_rate, ref.acceptance_length if ref is not None else None)
         body["gates"] = [v.as_dict() for v in verdicts]
         body["verdict"] = "pass" if all(v.passed for v in verdicts) else "fail"
         code = EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
@@ -428,6 +540,23 @@ def validate(
     if show:
         render(report)
     return ValidationResult(report=report, report_path=report_path, exit_code=code)
+
+
+def _per_prompt(m: Measurement, others: Mapping[str, Measurement], ref: Reference | None) -> list[dict[str, Any]]:
+    """Per-prompt ALs side by side (validated build, each comparison, the reference loop), where known."""
+    mine = m.per_prompt_al()
+    if not mine:
+        return []
+    theirs = {name: o.per_prompt_al() for name, o in others.items()}
+    rows: list[dict[str, Any]] = []
+    for c in m.run.completions:
+        row: dict[str, Any] = {"id": c.prompt_id, "al": mine.get(c.prompt_id)}
+        for name, per in theirs.items():
+            row[f"al_{name}"] = per.get(c.prompt_id)
+        if ref is not None:
+            row["al_reference"] = ref.per_prompt.get(c.prompt_id)
+        rows.append(row)
+    return rows
 
 
 def _baseline(
