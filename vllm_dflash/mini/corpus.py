@@ -65,15 +65,18 @@ KINDS = 6
 
 
 def document(rng: random.Random, min_chars: int) -> str:
-    """Numbered lines ("17. <line>") of random kinds until the text has at least `min_chars` characters."""
+    """Numbered lines ("17. <line>") until the text has at least `min_chars` characters. The kinds follow a fixed
+    cycle from a random start, so a model's greedy continuation keeps changing kind instead of looping on one."""
     number = rng.randint(1, 80)
+    kind = rng.randrange(KINDS)
     lines: list[str] = []
     size = 0
     while size < min_chars:
-        line = f"{number}. {_line(rng, rng.randrange(KINDS))}\n"
+        line = f"{number}. {_line(rng, kind)}\n"
         lines.append(line)
         size += len(line)
         number += 1
+        kind = (kind + 1) % KINDS
     return "".join(lines)
 
 

@@ -22,8 +22,8 @@ Acceptance is reported two ways:
 "full-attention" (every drafter layer non-causal with no window: 0.20.1 runs sliding layers as full attention);
 "stock" (both: what stock 0.20.1 computes).
 
-Losslessness: every mode's output is compared with the target's plain greedy output (HF, full recompute per
-token, no cache) for every prompt.
+Losslessness: every mode's output is compared with the target's plain greedy output (HF, one token at a time;
+"greedy": "recompute" runs a full forward per token instead of the KV cache) for every prompt.
 """
 
 from __future__ import annotations
@@ -153,18 +153,24 @@ class Mini:
             dm._cuda_time = cuda_time
         return out.output_ids[0, len(prompt) :].tolist(), [int(x) for x in out.acceptance_lengths]
 
-    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], float]:
-        """The target's plain greedy continuation (full recompute, no cache) and its smallest top-2 logit gap."""
+    def greedy(self, prompt: list[int], n: int, recompute: bool = False) -> tuple[list[int], float]:
+        """The target's plain greedy continuation, token by token (HF KV cache, or with `recompute` a full forward
+        per token), and its smallest top-2 logit gap."""
         import torch
 
         ids = list(prompt)
         gap = float("inf")
         with torch.inference_mode():
+            out = self.target(torch.tensor([ids]), use_cache=not recompute)
             for _ in range(n):
-                logits = self.target(torch.tensor([ids])).logits[0, -1]
+                logits = out.logits[0, -1]
                 top = torch.topk(logits, 2).values
                 gap = min(gap, float(top[0] - top[1]))
                 ids.append(int(torch.argmax(logits)))
+                if recompute:
+                    out = self.target(torch.tensor([ids]))
+                else:
+                    out = self.target(torch.tensor([ids[-1:]]), past_key_values=out.past_key_values, use_cache=True)
         return ids[len(prompt) :], gap
 
 
@@ -185,7 +191,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     k = mini.block_size - 1
     encoded = [list(p["prompt"].encode()) for p in prompts]
     t0 = time.perf_counter()
-    greedy = [mini.greedy(ids, max_tokens) for ids in encoded] if job.get("check_lossless", True) else None
+    recompute = job.get("greedy", "cache") == "recompute"
+    check = job.get("check_lossless", True)
+    greedy = [mini.greedy(ids, max_tokens, recompute) for ids in encoded] if check else None
     result: dict[str, Any] = {
         "models": str(models),
         "max_tokens": max_tokens,
@@ -254,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     """One JSON argument: {"models": mini model dir, "out": result JSON path (optional: stdout summary only),
     "semantics": name or list (default all of SEMANTICS), "max_tokens": int (default mini.json's),
     "prompts": first N prompts (default all), "literal": bool (default true), "check_lossless": bool (default true),
-    "threads": int (default 1)}."""
+    "greedy": "cache" | "recompute" (how the plain greedy baseline runs; default cache), "threads": int (default 1)}.
+    """
     job = json.loads((argv if argv is not None else sys.argv[1:])[0])
     from transformers.utils import logging as hf_logging
 

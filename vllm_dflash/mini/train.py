@@ -54,14 +54,15 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "seed": 0,
     "threads": 1,  # one thread: deterministic and, on a busy 2-core machine, faster than two
     "model": {"hidden": 128, "intermediate": 384, "heads": 4, "kv_heads": 2, "head_dim": 32, "max_positions": 512},
-    "target": {"layers": 6, "steps": 220, "batch": 16, "seq_len": 272, "lr": 3e-3, "warmup": 20},
+    "target": {"layers": 6, "steps": 600, "batch": 8, "seq_len": 272, "lr": 4e-3, "warmup": 20},
     "drafter": {
         "layer_types": [SLIDING, SLIDING, FULL],
         "window": 16,
         "block_size": 8,
         "target_layer_ids": [1, 2, 3],
         "sequences": 1536,  # target greedy continuations of training-document prefixes
-        "group": 16,  # sequences generated together (same prefix length); also the drafter's batch
+        "group": 64,  # sequences generated together (one prefix length per group)
+        "batch": 16,  # sequences per drafter step (a slice of one group)
         "continuation": 112,
         "anchors": 12,  # blocks packed per sequence
         "steps": 300,
@@ -69,7 +70,10 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "warmup": 20,
         "loss_decay": 4.0,  # DFlash's position weights exp(-(i - 1) / gamma); the paper uses 4 for block size 8
     },
-    "prompts": {"count": 128, "min_len": 48, "max_len": 160},
+    # Held-apart prompts: candidates whose target greedy continuation (max_tokens + block_size tokens) has a
+    # top-2 logit gap below min_gap somewhere are dropped, so fp32 kernels that differ from HF's (vLLM's) cannot
+    # flip a greedy token; the choice looks only at the target, never at the drafter.
+    "prompts": {"count": 128, "candidates": 192, "min_len": 48, "max_len": 160, "min_gap": 0.01},
     "max_tokens": 96,
 }
 
@@ -213,8 +217,9 @@ def train_target(cfg: dict[str, Any], docs: list[str], log: list[dict[str, Any]]
     return model.eval()
 
 
-def greedy_continuations(target: Any, prefixes: list[list[int]], n: int) -> list[list[int]]:
-    """The target's greedy continuation (n tokens, KV cache) of equally long prefixes, batched."""
+def greedy_continuations(target: Any, prefixes: list[list[int]], n: int) -> tuple[list[list[int]], list[float]]:
+    """The target's greedy continuations (n tokens, KV cache) of equally long prefixes, batched, and each row's
+    smallest top-2 logit gap along the way."""
     import torch
 
     with torch.inference_mode():
@@ -222,12 +227,16 @@ def greedy_continuations(target: Any, prefixes: list[list[int]], n: int) -> list
         out = target(ids, use_cache=True)
         past = out.past_key_values
         new: list[Any] = []
+        gap = torch.full((len(prefixes),), float("inf"))
         for _ in range(n):
-            nxt = out.logits[:, -1].argmax(-1)
+            logits = out.logits[:, -1]
+            top = torch.topk(logits, 2, dim=-1).values
+            gap = torch.minimum(gap, top[:, 0] - top[:, 1])
+            nxt = logits.argmax(-1)
             new.append(nxt)
             out = target(nxt[:, None], past_key_values=past, use_cache=True)
             past = out.past_key_values
-        return [row.tolist() for row in torch.stack(new, dim=1)]
+        return [row.tolist() for row in torch.stack(new, dim=1)], gap.tolist()
 
 
 def drafter_sequences(cfg: dict[str, Any], target: Any, docs: list[str]) -> list[tuple[int, list[list[int]]]]:
@@ -238,9 +247,31 @@ def drafter_sequences(cfg: dict[str, Any], target: Any, docs: list[str]) -> list
     for g in range(d["sequences"] // d["group"]):
         plen = rng.randint(p["min_len"], p["max_len"])
         prefixes = [encode(doc[:plen]) for doc in docs[g * d["group"] : (g + 1) * d["group"]]]
-        conts = greedy_continuations(target, prefixes, d["continuation"])
-        groups.append((plen, [a + b for a, b in zip(prefixes, conts, strict=True)]))
-    return groups
+        conts, _ = greedy_continuations(target, prefixes, d["continuation"])
+        seqs = [a + b for a, b in zip(prefixes, conts, strict=True)]
+        # Drafter batches are slices of a group (equal lengths, no padding).
+        groups += [(plen, seqs[i : i + d["batch"]]) for i in range(0, len(seqs), d["batch"])]
+    # Interleave prefix lengths across steps instead of running one group's batches back to back.
+    order = list(range(len(groups)))
+    rng.shuffle(order)
+    return [groups[i] for i in order]
+
+
+def select_prompts(cfg: dict[str, Any], target: Any, seen: list[str]) -> tuple[list[corpus.Prompt], dict[str, float]]:
+    """The first `count` held-apart candidates whose greedy continuation has no near-tie (see DEFAULT_CONFIG)."""
+    p = cfg["prompts"]
+    n = cfg["max_tokens"] + cfg["drafter"]["block_size"]
+    candidates = corpus.held_apart_prompts(cfg["seed"], p["candidates"], p["min_len"], p["max_len"], seen)
+    chosen: list[corpus.Prompt] = []
+    gaps: dict[str, float] = {}
+    for c in candidates:
+        _, (gap,) = greedy_continuations(target, [encode(c.prompt)], n)
+        gaps[c.id] = round(gap, 4)
+        if gap >= p["min_gap"]:
+            chosen.append(c)
+            if len(chosen) == p["count"]:
+                return chosen, gaps
+    raise RuntimeError(f"only {len(chosen)} of {p['candidates']} candidate prompts have no near-tie; raise candidates")
 
 
 def taps(hidden_states: Any, layer_ids: list[int], offset: int = 1) -> Any:
@@ -437,7 +468,10 @@ def build(cfg: dict[str, Any], out: Path) -> dict[str, Any]:
 
     # Every text either model saw, for the disjointness assertion.
     seen = [*docs, *(decode(s) for _, g in groups for s in g)]
-    prompts = corpus.held_apart_prompts(cfg["seed"], p["count"], p["min_len"], p["max_len"], seen)
+    t3 = time.perf_counter()
+    prompts, gaps = select_prompts(cfg, target, seen)
+    figures["prompt_selection_s"] = round(time.perf_counter() - t3, 1)
+    figures["prompt_candidates_dropped"] = sorted(k for k, g in gaps.items() if g < p["min_gap"])
 
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     if tmp.exists():
@@ -466,6 +500,7 @@ def build(cfg: dict[str, Any], out: Path) -> dict[str, Any]:
                 "drafter": sum(x.numel() for x in drafter.parameters()),
             },
             "figures": figures,
+            "prompt_min_top2_gap": {pr.id: gaps[pr.id] for pr in prompts},
             "torch": torch.__version__,
             "files": {
                 str(f.relative_to(tmp)): {"sha256": _sha256(f), "bytes": f.stat().st_size}
