@@ -213,7 +213,7 @@ def train_target(cfg: dict[str, Any], docs: list[str], log: list[dict[str, Any]]
         opt.step()
         if step % 20 == 0 or step == t["steps"] - 1:
             log.append({"step": step, "loss": round(loss.item(), 4), "s": round(time.perf_counter() - t0, 1)})
-            print(f"target step {step}: loss {float(loss):.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(f"target step {step}: loss {loss.item():.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     return model.eval()
 
 
@@ -404,7 +404,7 @@ def train_drafter(
                 }
             )
             print(
-                f"drafter step {step}: loss {float(loss):.4f}, accepted/block {run:.2f} "
+                f"drafter step {step}: loss {loss.item():.4f}, accepted/block {run:.2f} "
                 f"({time.perf_counter() - t0:.0f} s)",
                 flush=True,
             )
