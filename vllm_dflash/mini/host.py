@@ -5,8 +5,8 @@
     result = run_refloop(ref, models, out=...)    # the reference loop's AL, all semantics
 
 The trained models are cached, not committed: under cache_dir()/mini/<key>, where the key hashes the training code
-(train.py, corpus.py and the tokenizer code it reuses from conformance/), the training config and the reference
-environment it ran in. Training is deterministic on one machine (fixed seeds, one thread, deterministic
+(train.py, corpus.py and the tokenizer functions it reuses from conformance/tiny.py), the config overrides and the
+reference environment it ran in. Training is deterministic on one machine (fixed seeds, one thread, deterministic
 algorithms), but CPU float kernels differ across CPU types, so committed weights could not be checked against
 their script cheaply or portably; the gates compare two loops on the same cached models, so they do not need
 bit-identical models across machines. mini.json records the weights' sha256 for comparison.
@@ -26,20 +26,29 @@ from vllm_dflash.errors import ConformanceError
 from vllm_dflash.fetch import cache_dir
 
 _HERE = Path(__file__).resolve().parent
-# Every source file whose change may change the trained models.
-TRAINING_SOURCES = (
-    _HERE / "train.py",
-    _HERE / "corpus.py",
-    _HERE.parent / "conformance" / "tiny.py",
-    _HERE.parent / "conformance" / "cases.py",
-)
+# The source files whose change may change the trained models.
+TRAINING_SOURCES = (_HERE / "train.py", _HERE / "corpus.py")
+
+
+def _tokenizer_code() -> bytes:
+    """What train.py reuses from the conformance package: only these functions and constants, so unrelated edits
+    there do not retrain the miniature."""
+    import inspect
+
+    from vllm_dflash.conformance import cases, tiny
+
+    parts = [inspect.getsource(tiny.byte_alphabet), inspect.getsource(tiny.build_tokenizer)]
+    parts.append(repr((cases.VOCAB, cases.MASK_TOKEN_ID, cases.EOS_TOKEN_ID)))
+    return "\n".join(parts).encode()
 
 
 def mini_key(ref_python: Path, config: Mapping[str, Any] | None = None) -> str:
+    """Cache key: the training code, the tokenizer code it reuses, the config overrides and the reference env."""
     h = hashlib.sha256()
     for src in TRAINING_SOURCES:
         h.update(src.name.encode())
         h.update(src.read_bytes())
+    h.update(_tokenizer_code())
     h.update(json.dumps(config or {}, sort_keys=True).encode())
     # The reference env's directory name carries the hash of its spec (torch, transformers versions).
     h.update(Path(ref_python).parents[1].name.encode())

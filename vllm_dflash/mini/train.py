@@ -71,9 +71,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "loss_decay": 4.0,  # DFlash's position weights exp(-(i - 1) / gamma); the paper uses 4 for block size 8
     },
     # Held-apart prompts: candidates whose target greedy continuation (max_tokens + block_size tokens) has a
-    # top-2 logit gap below min_gap somewhere are dropped, so fp32 kernels that differ from HF's (vLLM's) cannot
-    # flip a greedy token; the choice looks only at the target, never at the drafter.
-    "prompts": {"count": 128, "candidates": 192, "min_len": 48, "max_len": 160, "min_gap": 0.01},
+    # top-2 logit gap below min_gap somewhere are dropped (about 1 in 8), so fp32 kernels that differ from HF's
+    # (vLLM's; ~1e-5 here) cannot flip a greedy token; the choice looks only at the target, never at the drafter.
+    "prompts": {"count": 128, "candidates": 192, "min_len": 48, "max_len": 160, "min_gap": 1e-3},
     "max_tokens": 96,
 }
 
@@ -155,8 +155,11 @@ def drafter_config(cfg: dict[str, Any]) -> Any:
 
 
 def save_tokenizer(out: Path) -> None:
+    from vllm_dflash.conformance import cases
     from vllm_dflash.conformance.tiny import build_tokenizer
 
+    if (cases.VOCAB, cases.MASK_TOKEN_ID, cases.EOS_TOKEN_ID) != (VOCAB, MASK_TOKEN_ID, EOS_TOKEN_ID):
+        raise RuntimeError("the conformance tokenizer's special ids moved; update train.py's constants")
     build_tokenizer(out)  # the conformance cases' 512-id byte-level tokenizer (id == byte for 0..255)
     cfg_path = out / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text())
@@ -169,12 +172,12 @@ def save_tokenizer(out: Path) -> None:
 
     tok = AutoTokenizer.from_pretrained(out)
     probe = "12. copy ab3 -> ab3\n13. "
-    ids = tok.apply_chat_template(
+    text = tok.apply_chat_template(
         [{"role": "system", "content": "x"}, {"role": "user", "content": probe}],
         tokenize=False,
         add_generation_prompt=True,
     )
-    if ids != probe or tok(probe, add_special_tokens=True)["input_ids"] != encode(probe):
+    if text != probe or tok(probe, add_special_tokens=True)["input_ids"] != encode(probe):
         raise RuntimeError("the mini tokenizer's chat template or encoding is not verbatim")
 
 
@@ -458,6 +461,13 @@ def build(cfg: dict[str, Any], out: Path) -> dict[str, Any]:
     t1 = time.perf_counter()
     groups = drafter_sequences(cfg, target, docs[n_target_docs:])
     figures["drafter_data_s"] = round(time.perf_counter() - t1, 1)
+    # Prompts depend on the target only; chosen before the drafter trains so a shortfall fails early. Every text
+    # either model trains on goes into the disjointness assertion.
+    seen = [*docs, *(decode(s) for _, g in groups for s in g)]
+    t3 = time.perf_counter()
+    prompts, gaps = select_prompts(cfg, target, seen)
+    figures["prompt_selection_s"] = round(time.perf_counter() - t3, 1)
+    figures["prompt_candidates_dropped"] = sorted(k for k, g in gaps.items() if g < p["min_gap"])
     t2 = time.perf_counter()
     drafter = train_drafter(cfg, target, groups, figures["drafter_log"])
     figures["drafter_s"] = round(time.perf_counter() - t2, 1)
@@ -465,13 +475,6 @@ def build(cfg: dict[str, Any], out: Path) -> dict[str, Any]:
     figures["packed_vs_reference_max_abs"] = packed_check(drafter, target, seqs[0], plen, list(d["target_layer_ids"]))
     if figures["packed_vs_reference_max_abs"] > 1e-4:
         raise RuntimeError(f"packed training forward != reference forward: {figures['packed_vs_reference_max_abs']}")
-
-    # Every text either model saw, for the disjointness assertion.
-    seen = [*docs, *(decode(s) for _, g in groups for s in g)]
-    t3 = time.perf_counter()
-    prompts, gaps = select_prompts(cfg, target, seen)
-    figures["prompt_selection_s"] = round(time.perf_counter() - t3, 1)
-    figures["prompt_candidates_dropped"] = sorted(k for k, g in gaps.items() if g < p["min_gap"])
 
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     if tmp.exists():
