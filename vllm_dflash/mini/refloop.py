@@ -216,7 +216,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                     "token_ids": out[:max_tokens],
                     "text": bytes(t for t in out[:max_tokens] if t < 256).decode(errors="replace"),
                     "accepted": accepted,
-                    "al": 1 + sum(accepted) / len(accepted),
+                    "al": 1 + sum(accepted) / len(accepted) if accepted else None,
                 }
                 if literal:
                     lit_out, lit_produced = mini.generate(ids, max_tokens)
@@ -226,8 +226,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                         row["literal_output_differs"] = True
                 if greedy is not None:
                     row["lossless"] = out[:max_tokens] == greedy[i][0]
+                    row["greedy_min_top2_gap"] = greedy[i][1]
                 rows.append(row)
-        als = [r["al"] for r in rows]
+        als = [r["al"] for r in rows if r["al"] is not None]
         entry: dict[str, Any] = {
             "pooled": pooled_stats([r["accepted"] for r in rows], k),
             "per_prompt_al": summary(als),
