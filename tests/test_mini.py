@@ -1,0 +1,170 @@
+"""The DFlash miniature: synthetic corpus, trained tiny target + drafter, and the reference loop's acceptance.
+
+Fast tests: the corpus (stdlib) and vLLM-style pooling; with the dflash reference environment (built once, cached):
+the verbatim chat template and the packed training forward against the reference's own forward. Slow tests use the
+trained models (`ensure_mini_models`: cached, trained on a miss in about 10 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_dflash.conformance import oracle as O
+from vllm_dflash.manifest import Manifest
+from vllm_dflash.mini import corpus, host, refloop, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def ref_python(manifest: Manifest) -> Path:
+    return O.ensure_reference_env(manifest.raw)
+
+
+def _in_ref(ref_python: Path, code: str) -> str:
+    out = subprocess.run(
+        [str(ref_python), "-c", code],
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    return out.stdout
+
+
+# ---- corpus (stdlib) --------------------------------------------------------------------------------------------
+
+
+def _training_docs() -> list[str]:
+    cfg = train.DEFAULT_CONFIG
+    n = cfg["target"]["steps"] * cfg["target"]["batch"] + cfg["drafter"]["sequences"]
+    return corpus.training_documents(cfg["seed"], n, cfg["target"]["seq_len"] + 1)
+
+
+def test_corpus_is_deterministic() -> None:
+    assert corpus.training_documents(0, 50, 300) == corpus.training_documents(0, 50, 300)
+    assert corpus.held_apart_prompts(0, 20, 48, 160) == corpus.held_apart_prompts(0, 20, 48, 160)
+    assert corpus.training_documents(0, 5, 300) != corpus.training_documents(1, 5, 300)
+    doc = corpus.training_documents(0, 1, 300)[0]
+    assert doc.isascii() and len(doc) >= 300 and doc.endswith("\n")
+
+
+def test_held_apart_prompts_never_occur_in_training_text() -> None:
+    cfg = train.DEFAULT_CONFIG["prompts"]
+    docs = _training_docs()
+    prompts = corpus.held_apart_prompts(0, cfg["candidates"], cfg["min_len"], cfg["max_len"], docs)
+    assert len({p.prompt for p in prompts}) == len(prompts)
+    assert all(cfg["min_len"] <= len(p.prompt) <= cfg["max_len"] for p in prompts)
+    with pytest.raises(AssertionError, match="occurs in the training text"):
+        corpus.assert_disjoint(prompts[:1], ["xx" + prompts[0].prompt + "yy"])
+
+
+def test_vllm_pooling_counts_steps_like_vllm() -> None:
+    # Prefill gives token 1; steps run while fewer than max_tokens exist; the last step's acceptances count in full
+    # even beyond max_tokens (vLLM counts before truncation). produced = accepted + 1.
+    assert refloop.vllm_pooling([8, 8, 3, 8], max_tokens=10) == [7, 7]
+    assert refloop.vllm_pooling([1, 1, 1], max_tokens=3) == [0, 0]
+    assert refloop.vllm_pooling([5, 2, 8], max_tokens=1) == []
+    with pytest.raises(ValueError):
+        refloop.vllm_pooling([2], max_tokens=10)
+    stats = refloop.pooled_stats([[7, 0], [3]], k=7)
+    assert stats["num_drafts"] == 3 and stats["num_accepted_tokens"] == 10
+    assert stats["acceptance_length"] == pytest.approx(1 + 10 / 3)
+    assert stats["num_accepted_tokens_per_pos"] == [2, 2, 2, 1, 1, 1, 1]
+
+
+# ---- with the reference environment (seconds) ---------------------------------------------------------------
+
+
+def test_chat_template_renders_the_prompt_verbatim(ref_python: Path, tmp_path: Path) -> None:
+    code = f"""
+import json
+from pathlib import Path
+from transformers import AutoTokenizer
+from vllm_dflash.mini import train
+out = Path({str(tmp_path)!r})
+train.save_tokenizer(out)
+tok = AutoTokenizer.from_pretrained(out)
+prompt = "7. spell apple: a-p-p-l-e\\n8. copy q7 -> q7\\n9. "
+msgs = [{{"role": "system", "content": "ignored"}}, {{"role": "user", "content": "earlier"}},
+        {{"role": "assistant", "content": "reply"}}, {{"role": "user", "content": prompt}}]
+text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+ids = tok(text, add_special_tokens=False)["input_ids"]
+print(json.dumps({{"text": text, "ids": ids, "with_specials": tok(text)["input_ids"], "prompt": prompt}}))
+"""
+    got = json.loads(_in_ref(ref_python, code).strip().splitlines()[-1])
+    assert got["text"] == got["prompt"]
+    assert got["ids"] == got["with_specials"] == list(got["prompt"].encode())
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert cfg["chat_template"] == train.CHAT_TEMPLATE and cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
+def test_packed_training_forward_equals_the_reference_forward(ref_python: Path) -> None:
+    """Several blocks packed per sequence with explicit per-layer masks compute exactly what the reference computes
+    for each block alone; without the masks the full layer would see later context (the leak)."""
+    code = """
+import torch
+from dflash.model import DFlashDraftModel
+from transformers import Qwen3ForCausalLM
+from vllm_dflash.mini import train
+torch.set_num_threads(1)
+cfg = train.merge_config({})
+torch.manual_seed(0)
+target = Qwen3ForCausalLM(train.target_config(cfg)).eval()
+drafter = DFlashDraftModel(train.drafter_config(cfg)).eval()
+seq = torch.randint(0, 256, (90,)).tolist()
+print(train.packed_check(drafter, target, seq, 40, cfg["drafter"]["target_layer_ids"], m=5))
+"""
+    assert float(_in_ref(ref_python, code).strip().splitlines()[-1]) < 1e-5
+
+
+# ---- the trained miniature (slow: trains on a cache miss) ---------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def mini_models(ref_python: Path) -> Path:
+    return host.ensure_mini_models(ref_python)
+
+
+@pytest.mark.slow
+def test_mini_models_have_the_layout_vllm_reads(mini_models: Path) -> None:
+    d = json.loads((mini_models / "drafter" / "config.json").read_text())
+    assert d["architectures"] == ["DFlashDraftModel"]
+    assert d["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert d["use_sliding_window"] is True and d["sliding_window"] == 16
+    assert d["dflash_config"] == {"target_layer_ids": [1, 2, 3], "mask_token_id": train.MASK_TOKEN_ID}
+    assert d["block_size"] == 8 and d["num_target_layers"] == 6
+    t = json.loads((mini_models / "target" / "config.json").read_text())
+    assert t["architectures"] == ["Qwen3ForCausalLM"] and t["num_hidden_layers"] == 6
+    assert t["vocab_size"] == d["vocab_size"] == train.VOCAB and t["hidden_size"] == d["hidden_size"]
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (mini_models / "target" / name).is_file()
+    meta = host.model_config(mini_models)
+    assert meta["num_speculative_tokens"] == 7 and meta["max_tokens"] == 96
+    assert meta["figures"]["packed_vs_reference_max_abs"] < 1e-4
+    prompts = host.read_prompts(mini_models)
+    assert len(prompts) >= 100 and len({p["id"] for p in prompts}) == len(prompts)
+    assert set(prompts[0]) == {"id", "prompt"}
+    corpus.assert_disjoint([corpus.Prompt(**p) for p in prompts], _training_docs())
+
+
+@pytest.mark.slow
+def test_reference_loop_is_lossless_and_beats_stock_semantics(
+    ref_python: Path, mini_models: Path, tmp_path: Path
+) -> None:
+    result: dict[str, Any] = host.run_refloop(
+        ref_python, mini_models, tmp_path / "refloop.json", semantics=["reference", "stock"], prompts=12
+    )
+    modes = result["modes"]
+    for mode in ("reference", "stock"):
+        assert modes[mode]["lossless"], f"{mode}: the loop's output must equal the target's plain greedy output"
+        assert modes[mode]["literal"]["outputs_equal"]
+    ref_al = modes["reference"]["pooled"]["acceptance_length"]
+    stock_al = modes["stock"]["pooled"]["acceptance_length"]
+    assert ref_al > 4.0, ref_al
+    assert stock_al < 0.9 * ref_al, (ref_al, stock_al)

@@ -1,0 +1,137 @@
+"""Host side of the miniature (stdlib + vllm_dflash only; runs in the tool's venv).
+
+    ref = vllm_dflash.conformance.oracle.ensure_reference_env(manifest.raw)
+    models = ensure_mini_models(ref)              # trained once, cached
+    result = run_refloop(ref, models, out=...)    # the reference loop's AL, all semantics
+
+The trained models are cached, not committed: under cache_dir()/mini/<key>, where the key hashes the training code
+(train.py, corpus.py and the tokenizer functions it reuses from conformance/tiny.py), the config overrides and the
+reference environment it ran in. Training is deterministic on one machine (fixed seeds, one thread, deterministic
+algorithms), but CPU float kernels differ across CPU types, so committed weights could not be checked against
+their script cheaply or portably; the gates compare two loops on the same cached models, so they do not need
+bit-identical models across machines. mini.json records the weights' sha256 for comparison.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from vllm_dflash import proc
+from vllm_dflash.errors import ConformanceError
+from vllm_dflash.fetch import cache_dir
+
+_HERE = Path(__file__).resolve().parent
+# The source files whose change may change the trained models.
+TRAINING_SOURCES = (_HERE / "train.py", _HERE / "corpus.py")
+
+
+def _tokenizer_code() -> bytes:
+    """What train.py reuses from the conformance package: only these functions and constants, so unrelated edits
+    there do not retrain the miniature."""
+    import inspect
+
+    from vllm_dflash.conformance import cases, tiny
+
+    parts = [inspect.getsource(tiny.byte_alphabet), inspect.getsource(tiny.build_tokenizer)]
+    parts.append(repr((cases.VOCAB, cases.MASK_TOKEN_ID, cases.EOS_TOKEN_ID)))
+    return "\n".join(parts).encode()
+
+
+def mini_key(ref_python: Path, config: Mapping[str, Any] | None = None) -> str:
+    """Cache key: the training code, the tokenizer code it reuses, the config overrides and the reference env."""
+    h = hashlib.sha256()
+    for src in TRAINING_SOURCES:
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    h.update(_tokenizer_code())
+    h.update(json.dumps(config or {}, sort_keys=True).encode())
+    # The reference env's directory name carries the hash of its spec (torch, transformers versions).
+    h.update(Path(ref_python).parents[1].name.encode())
+    return h.hexdigest()[:12]
+
+
+def _environ() -> dict[str, str]:
+    return {
+        "PYTHONPATH": str(_HERE.parents[1]),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def ensure_mini_models(ref_python: Path, config: Mapping[str, Any] | None = None) -> Path:
+    """The cached miniature model directory (target/, drafter/, prompts.jsonl, mini.json), trained on a miss.
+
+    `config` overrides train.DEFAULT_CONFIG (tests use it for a quick small build). Concurrent callers wait on a
+    lock; the directory appears only when complete (train.py renames it into place).
+    """
+    base = cache_dir() / "mini"
+    base.mkdir(parents=True, exist_ok=True)
+    out = base / mini_key(ref_python, config)
+    with (base / f".{out.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "mini.json").is_file():
+            return out
+        print(f"training the DFlash miniature into {out} (a few minutes on 2 cores)", flush=True)
+        proc.call(
+            ref_python,
+            "-m",
+            "vllm_dflash.mini.train",
+            json.dumps({"out": str(out), "config": dict(config or {})}),
+            env=_environ(),
+            error=ConformanceError,
+            hint="the reference environment is broken: delete it under the cache's envs/ and retry",
+        )
+    return out
+
+
+def run_refloop(
+    ref_python: Path,
+    models: Path,
+    out: Path,
+    semantics: Sequence[str] | None = None,
+    prompts: int | None = None,
+    max_tokens: int | None = None,
+    literal: bool = True,
+    check_lossless: bool = True,
+) -> dict[str, Any]:
+    """Run refloop.py in the reference env and return its result (also written to `out`)."""
+    job: dict[str, Any] = {
+        "models": str(models),
+        "out": str(out),
+        "literal": literal,
+        "check_lossless": check_lossless,
+    }
+    if semantics is not None:
+        job["semantics"] = list(semantics)
+    if prompts is not None:
+        job["prompts"] = prompts
+    if max_tokens is not None:
+        job["max_tokens"] = max_tokens
+    proc.call(
+        ref_python,
+        "-m",
+        "vllm_dflash.mini.refloop",
+        json.dumps(job),
+        env=_environ(),
+        error=ConformanceError,
+        hint="the reference environment is broken: delete it under the cache's envs/ and retry",
+    )
+    result: dict[str, Any] = json.loads(Path(out).read_text())
+    return result
+
+
+def read_prompts(models: Path) -> list[dict[str, str]]:
+    """The held-apart prompts ({"id", "prompt"}) of a mini model directory."""
+    lines = (models / "prompts.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def model_config(models: Path) -> dict[str, Any]:
+    """mini.json of a model directory (config, max_tokens, num_speculative_tokens, training figures)."""
+    data: dict[str, Any] = json.loads((models / "mini.json").read_text())
+    return data
