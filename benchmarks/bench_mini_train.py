@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.conformance.oracle import ensure_reference_env
+from vllm_dflash.envs import reference_python
 from vllm_dflash.manifest import load_manifest
 from vllm_dflash.mini import host
 
@@ -75,7 +75,7 @@ def main() -> int:
     ap.add_argument("--skip-determinism", action="store_true", help="train once only")
     ap.add_argument("--models", type=Path, default=None, help="measure this model directory; no training")
     args = ap.parse_args()
-    ref = ensure_reference_env(load_manifest(REPO).raw)
+    ref = reference_python(load_manifest(REPO))
     report: dict[str, Any] = {"load_average_start": os.getloadavg()}
     with tempfile.TemporaryDirectory(prefix="bench-mini-") as tmp:
         models = args.models

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from vllm_dflash.conformance import oracle as O
+from vllm_dflash.envs import reference_python
 from vllm_dflash.manifest import Manifest
 from vllm_dflash.mini import corpus, host, refloop, train
 
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def ref_python(manifest: Manifest) -> Path:
-    return O.ensure_reference_env(manifest.raw)
+    return reference_python(manifest)
 
 
 def _in_ref(ref_python: Path, code: str) -> str:

@@ -173,12 +173,16 @@ def test_each_patch_detected_as_applied_on_its_own_result(work_tree, queue: dict
 
 @pytest.mark.slow
 def test_tap_patch_is_upstream_in_0220(manifest: Manifest, tree_0220: Path, queue: dict[str, Patch]) -> None:
-    from vllm_dflash.upstream import Status, analyse, release_target
+    from vllm_dflash.upstream.evidence import load_watch_rules
+    from vllm_dflash.upstream.targets import release_target
+    from vllm_dflash.upstream.verdicts import Status, analyse
 
     # Upstream's comment above the runner change differs from ours, so a reverse-apply alone cannot see the fix;
     # the upstream stage finds it by content (our code lines present, the replaced ones gone) plus Drop-When.
     assert check_patch(tree_0220, queue[TAP]).state is PatchState.CONFLICTS
-    verdicts = {v.patch: v for v in analyse(manifest, release_target(manifest, "0.22.0")).verdicts}
+    target = release_target(manifest, "0.22.0")
+    report = analyse(manifest, target, list(queue.values()), load_watch_rules(manifest.patches_dir))
+    verdicts = {v.patch: v for v in report.verdicts}
     assert verdicts[TAP].status is Status.UPSTREAM, verdicts[TAP]
     assert "content" in verdicts[TAP].evidence and "Drop-When v0.22.0" in verdicts[TAP].evidence
     assert verdicts[SWA].status is Status.CONFLICTS, verdicts[SWA]

@@ -1,6 +1,6 @@
 """Host side of the miniature (stdlib + vllm_dflash only; runs in the tool's venv).
 
-    ref = vllm_dflash.conformance.oracle.ensure_reference_env(manifest.raw)
+    ref = vllm_dflash.envs.reference_python(manifest)
     models = ensure_mini_models(ref)              # trained once, cached
     result = run_refloop(ref, models, out=...)    # the reference loop's AL, all semantics
 
