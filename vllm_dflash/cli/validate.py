@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.cli.common import manifest
+from vllm_dflash.cli.common import checkout, manifest
 from vllm_dflash.errors import ManifestError, MeasurementError
-from vllm_dflash.manifest import load_profile_file
+from vllm_dflash.manifest import Profile, load_profile_file
 from vllm_dflash.validate.server import check_url
 from vllm_dflash.validate.smoke import ServerChoice, load_prompts, validate
 
@@ -60,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
         raise MeasurementError(f"--report {args.report} is a directory", "name the report file to write")
     if args.wheel is not None and not args.wheel.is_file():
         raise MeasurementError(f"--wheel {args.wheel} does not exist", "pass the wheel file the server runs")
+    if profile.serve == "cpu-builds":
+        return _run_cpu_builds(args, profile)
     prompts = load_prompts(args.prompts or profile.prompts, args.num_prompts or profile.num_prompts)
     choice = ServerChoice(
         endpoint=args.endpoint,
@@ -85,6 +87,46 @@ def run(args: argparse.Namespace) -> int:
     acc = result.report["acceptance"]
     print(
         f"verdict: {result.report['verdict']} (AL {acc['mean_acceptance_length']:.3f}); report: {result.report_path}",
+        flush=True,
+    )
+    return result.exit_code
+
+
+def _run_cpu_builds(args: argparse.Namespace, profile: Profile) -> int:
+    """A profile served from our own CPU builds (the miniature): the tool builds, trains and serves everything."""
+    from vllm_dflash.validate import miniature
+
+    for flag, value in (("--endpoint", args.endpoint), ("--image", args.image), ("--python", args.python)):
+        if value is not None:
+            raise ManifestError(
+                f"profile '{profile.name}' serves the tool's own CPU builds; {flag} does not apply",
+                "drop it (pass --wheel to validate another CPU build of the pin)",
+            )
+    if args.prompts is not None or args.num_prompts is not None:
+        raise ManifestError(f"profile '{profile.name}' uses the miniature's held-apart prompts", "drop --prompts")
+    co = checkout(args)
+    run = miniature.prepare(co.manifest, co.queues, profile, args.wheel, args.log_dir, args.health_timeout)
+    print(f"validating {run.wheel.name} (stock build to compare: {run.stock_wheel.name})", flush=True)
+    report_path = args.report or Path(f"validation-{profile.name}.json")
+    try:
+        result = validate(
+            run.profile,
+            run.choice,
+            report_path,
+            run.prompts,
+            baseline=False,
+            show=not args.quiet,
+            prompt_set="@mini",
+            comparisons=run.comparisons,
+            reference=run.reference,
+        )
+    except MeasurementError:
+        print(f"report: {report_path} (verdict: error)", file=sys.stderr)
+        raise
+    acc = result.report["acceptance"]
+    print(
+        f"verdict: {result.report['verdict']} (AL {acc['mean_acceptance_length']:.3f}); report: {result.report_path}; "
+        f"validated wheel: {run.wheel}",
         flush=True,
     )
     return result.exit_code

@@ -627,6 +627,14 @@ def render(report: Mapping[str, Any], console: Any = None) -> None:
             bar = "█" * round(rate * 40)
             chart.add_row(str(pos), f"{rate:.3f}", f"[green]{bar}[/green]")
         console.print(chart)
+    side = side_by_side(report)
+    if side:
+        table = Table(title="mean acceptance length, same prompts and max tokens")
+        for col in ("what", "artifact", "AL", "drafts", "accepted", "per-prompt median", "lossless"):
+            table.add_column(col)
+        for row in side:
+            table.add_row(*[_fmt(v) for v in row])
+        console.print(table)
     gates = Table(title=f"verdict: {report['verdict'].upper()}")
     for col in ("gate", "value", "threshold", "result"):
         gates.add_column(col)
@@ -634,6 +642,48 @@ def render(report: Mapping[str, Any], console: Any = None) -> None:
         result = "[green]PASS[/green]" if g["passed"] else "[red]FAIL[/red]"
         gates.add_row(g["gate"], _fmt(g["value"]), _fmt(g["threshold"]), result)
     console.print(gates)
+
+
+def side_by_side(report: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+    """Rows (what, artifact, AL, drafts, accepted, per-prompt median, lossless) for the validated build, each
+    comparison and the reference loop; empty when the report has neither comparisons nor a reference."""
+    import statistics
+
+    comparisons = report.get("comparisons") or {}
+    ref = report.get("reference")
+    if not comparisons and not ref:
+        return []
+    per_prompt = report.get("per_prompt") or []
+
+    def median(key: str) -> float | None:
+        vals = [r[key] for r in per_prompt if isinstance(r.get(key), int | float)]
+        return statistics.median(vals) if vals else None
+
+    def lossless(entry: Mapping[str, Any] | None) -> str:
+        return "-" if not entry else f"{entry['matches']}/{report['prompts']['count']}"
+
+    rows: list[tuple[Any, ...]] = []
+    for name, comp in comparisons.items():
+        c = comp.get("counters") or {}
+        art = ((comp.get("server") or {}).get("artifact") or {}).get("name")
+        rows.append(
+            (name, art, (comp.get("acceptance") or {}).get("mean_acceptance_length"), _count(c.get("num_drafts")),
+             _count(c.get("num_accepted_tokens")), median(f"al_{name}"), lossless(comp.get("lossless_vs_reference")))
+        )  # fmt: skip
+    mine = report.get("counters", {}).get("delta") or {}
+    art = ((report.get("server") or {}).get("artifact") or {}).get("name")
+    al = (report.get("acceptance") or {}).get("mean_acceptance_length")
+    rows.append(
+        ("validated", art, al, _count(mine.get("num_drafts")), _count(mine.get("num_accepted_tokens")), median("al"),
+         lossless(report.get("lossless_vs_reference")))
+    )  # fmt: skip
+    if ref:
+        rc = ref.get("counters") or {}
+        rows.append(
+            ("reference loop", "dflash 0.1.0", ref.get("acceptance_length"), rc.get("num_drafts"),
+             rc.get("num_accepted_tokens"), median("al_reference"), "= target greedy")
+        )  # fmt: skip
+    return rows
 
 
 def _count(value: Any) -> Any:
