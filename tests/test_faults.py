@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import subprocess
 import zipfile
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ from vllm_dflash.errors import (
 )
 
 DIST_TOML = "dist.toml"
+FOREIGN = "aarch64" if platform.machine() == "x86_64" else "x86_64"  # no qemu handler is registered on CI machines
 
 
 def one_line_error(r: subprocess.CompletedProcess[str], code: int) -> str:
@@ -86,6 +88,13 @@ CASES: list[tuple[str, Callable[[Checkout], None] | None, list[str], int, str]] 
     ("base-wheel-missing", None, ["build", "--base-wheel", "/nonexistent.whl"], 3, "no such file"),
     ("wheel-tree-not-git", None, ["wheel", "--tree", "{root}"], 3, "not a git work tree"),
     ("image-wheel-missing", None, ["image", "--wheel", "/nonexistent.whl"], ContainerError.return_code, "no such"),
+    (
+        "image-foreign-platform",
+        _write("w.whl", b""),
+        ["image", "--platform", FOREIGN, "--wheel", "{root}/w.whl"],
+        11,
+        "binfmt_misc",
+    ),
     ("publish-bad-scheme", None, ["publish", "x.whl", "--to", "ftp://h/x"], 12, "unsupported scheme"),
     ("publish-file-host", None, ["publish", "x.whl", "--to", "file://otherhost/srv"], 12, "names host"),
     ("publish-to-a-file", _write("afile", b"x"), ["publish", "x.whl", "--to", "{root}/afile/sub"], 12, "is a file"),

@@ -69,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     skipped: list[str] = []
     for machine in wanted:
         why_not = img.can_build_for(machine)
-        if why_not is not None and len(wanted) > 1:
+        if why_not is not None and len(wanted) == 1:
+            raise ContainerError(f"cannot build the {machine} image: {why_not}", img.EMULATION_HINT)
+        if why_not is not None:
             skipped.append(f"{machine}: {why_not}")
             continue
         options = replace(base, platform=machine if explicit else None)
@@ -89,5 +91,5 @@ def run(args: argparse.Namespace) -> int:
         img.image_index(built[0].tool, base, index, built)
         print(f"{index}\nindex over {', '.join(r.platform for r in built)}")
     if not built:
-        raise ContainerError("no image could be built here: " + "; ".join(skipped), "")
+        raise ContainerError("no image could be built here: " + "; ".join(skipped), img.EMULATION_HINT)
     return 0

@@ -173,10 +173,10 @@ def can_build_for(machine: str) -> str | None:
             return None
     except OSError:
         pass
-    return (
-        f"this {host} host cannot run {machine} programs: no {_QEMU[machine]} binfmt_misc handler is registered "
-        "(install qemu-user-static and binfmt-support, or build on a machine of that platform)"
-    )
+    return f"this {host} host cannot run {machine} programs: no {_QEMU[machine]} binfmt_misc handler is registered"
+
+
+EMULATION_HINT = "install qemu-user-static and binfmt-support, or build on a machine of that platform"
 
 
 def _daemon_answers(tool: str) -> bool:
@@ -298,7 +298,7 @@ def build_image(labels: ImageLabels, dockerfile: Path, wheel: Path | None, optio
     if options.platform is not None:
         why_not = can_build_for(options.platform)
         if why_not is not None:
-            raise ContainerError(f"cannot build the {options.platform} image: {why_not}", "")
+            raise ContainerError(f"cannot build the {options.platform} image: {why_not}", EMULATION_HINT)
     tool = pick_tool(options.tool)
     tag = image_tag(labels.version, options.repo)
     if options.platform is not None and options.platform != host_platform.machine():

