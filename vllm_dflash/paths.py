@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from vllm_dflash.errors import DflashError, ManifestError, StorageError
@@ -94,15 +94,12 @@ def temp_sibling(path: Path, suffix: str = ".tmp") -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}{suffix}")
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary sibling and rename; nothing half-written keeps the name."""
+def _through_temp(path: Path, fill: Callable[[Path], None]) -> None:
+    """`fill` a temporary sibling of `path`, then rename it into place; nothing half-written keeps the name."""
     ensure_dir(path.parent)
     tmp = temp_sibling(path)
     try:
-        with tmp.open("wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        fill(tmp)
         os.replace(tmp, path)
     except OSError as exc:
         raise storage_error(exc, path, "write") from None
@@ -111,22 +108,46 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
             tmp.unlink(missing_ok=True)
 
 
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    def fill(tmp: Path) -> None:
+        with tmp.open("wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    _through_temp(path, fill)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     write_bytes_atomic(path, text.encode())
 
 
 def copy_atomic(src: Path, dest: Path) -> None:
     """Copy a file to `dest` through a temporary sibling (same file system) and rename."""
+    def fill(tmp: Path) -> None:
+        shutil.copyfile(src, tmp)
+
+    _through_temp(dest, fill)
+
+
+@contextlib.contextmanager
+def built_dir(dest: Path) -> Iterator[Path]:
+    """A directory built under a temporary sibling name and renamed to `dest` when the block ends without error.
+
+    Yields the temporary path, not yet created (a caller may create it by renaming something there). A directory
+    already at `dest` is replaced; a killed build leaves only a hidden `.<name>.<pid>.tmp` that `sweep_stale`
+    removes later.
+    """
     ensure_dir(dest.parent)
     tmp = temp_sibling(dest)
+    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        shutil.copyfile(src, tmp)
+        yield tmp
+        if dest.exists():
+            shutil.rmtree(dest)
         os.replace(tmp, dest)
-    except OSError as exc:
-        raise storage_error(exc, dest, "write") from None
     finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -14,13 +14,12 @@ drafter keeps the plain config the reference loads in `reference_config.json` ne
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 from vllm_dflash.conformance import cases as C
+from vllm_dflash.paths import built_dir
 
 CASE_FILE = "case.json"
 REFERENCE_CONFIG = "reference_config.json"  # speculators-format drafters: the plain config the reference loads
@@ -227,11 +226,8 @@ def prompts(spec: C.CaseSpec) -> list[list[int]]:
 
 def build_case(spec: C.CaseSpec, out: Path) -> Path:
     """Write the case directory `out` atomically (built in a sibling temp dir, then renamed)."""
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
+    with built_dir(out) as tmp:
+        tmp.mkdir()
         build_target(spec, tmp / "target")
         build_drafter(spec, tmp / "drafter")
         case = C.CaseFile(
@@ -251,12 +247,6 @@ def build_case(spec: C.CaseSpec, out: Path) -> Path:
             max_num_batched_tokens=max(64, max(spec.prompt_lengths) + 2 * spec.block_size),
         )
         (tmp / CASE_FILE).write_text(case.to_json())
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out
 
 

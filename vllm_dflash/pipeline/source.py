@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 import re
 import shutil
 import tarfile
@@ -21,7 +20,7 @@ from vllm_dflash import proc
 from vllm_dflash.errors import DirtyTreeError, ManifestError, NetworkError, PinMismatchError
 from vllm_dflash.fetch import cache_dir, fetch
 from vllm_dflash.manifest import Artifact, Manifest
-from vllm_dflash.paths import ensure_dir, sweep_stale, temp_sibling
+from vllm_dflash.paths import built_dir, ensure_dir, sweep_stale, temp_sibling
 from vllm_dflash.pipeline.model import COMMIT_ID, SOURCE_KINDS, SourceTree, commits_match
 
 # Tag that marks the upstream-base commit inside every work tree we prepare (the fork branch starts there).
@@ -201,14 +200,9 @@ def release_tree(version: str, sdist: Artifact, commit: str | None, dest: Path, 
         return tree
 
     import git
+    from rich.console import Console
 
-    tmp = temp_sibling(dest)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        work = tmp / "tree"
-        from rich.console import Console
-
+    with built_dir(dest) as work:
         status = Console(stderr=True).status(f"unpacking {path.name} and committing it as the upstream base")
         status.start()
         try:
@@ -216,9 +210,6 @@ def release_tree(version: str, sdist: Artifact, commit: str | None, dest: Path, 
         finally:
             status.stop()
         base = git.Repo(work).head.commit.hexsha
-        os.replace(work, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print(f"source tree {dest}: vLLM {version} from sdist, commit g{recorded}, base {base[:12]}", flush=True)
     return SourceTree(path=dest, kind="sdist", version=version, commit=recorded, base=base)
 
@@ -305,11 +296,7 @@ def git_tree(manifest: Manifest, dest: Path, owned: bool = True) -> SourceTree:
         if tree.base != sha:
             raise PinMismatchError(f"{dest} is based on {tree.base[:12]}, not {sha[:12]}", f"delete {dest}")
         return tree
-    tmp = temp_sibling(dest)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        work = tmp / "tree"
+    with built_dir(dest) as work:
         proc.echo(["git", "clone", "--no-checkout", mirror.git_dir, work])
         repo = git.Repo.clone_from(mirror.git_dir, work, no_checkout=True)
         proc.echo(["git", "checkout", "--detach", sha], work)
@@ -320,9 +307,6 @@ def git_tree(manifest: Manifest, dest: Path, owned: bool = True) -> SourceTree:
         if not commits_match(repo.head.commit.hexsha, up.commit):  # belt and braces: what is checked out
             raise PinMismatchError(f"checked out {repo.head.commit.hexsha}, not the pin {up.commit}", "report this")
         repo.close()
-        os.replace(work, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print(f"source tree {dest}: vLLM {up.version} from git, commit {sha}", flush=True)
     return SourceTree(path=dest, kind="git", version=up.version, commit=sha, base=sha)
 
