@@ -251,6 +251,25 @@ def checkout(tmp_path: Path, real_cache: Path, manifest: Manifest, sdist_tree) -
 IndexFiles = dict[str, dict[str, tuple[bytes, int | None, int | None]]]
 
 
+def send_simple_page(handler: BaseHTTPRequestHandler, project: str, sizes: Mapping[str, int | None]) -> None:
+    """Answer a PEP 691 JSON simple page for `project` listing `sizes` (file name -> size, None: unstated), each
+    file at /files/<project>/<name>."""
+    doc = {
+        "meta": {"api-version": "1.1"},
+        "name": project,
+        "files": [
+            {"filename": fn, "url": f"/files/{project}/{fn}", "hashes": {}, **({"size": size} if size else {})}
+            for fn, size in sizes.items()
+        ],
+    }
+    body = json.dumps(doc).encode()
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/vnd.pypi.simple.v1+json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 @pytest.fixture
 def local_index() -> Iterator[tuple[str, IndexFiles]]:
     files: IndexFiles = {}
@@ -263,25 +282,7 @@ def local_index() -> Iterator[tuple[str, IndexFiles]]:
             parts = [p for p in self.path.split("/") if p]
             if len(parts) == 2 and parts[0] == "simple" and parts[1] in files:
                 project = parts[1]
-                doc = {
-                    "meta": {"api-version": "1.1"},
-                    "name": project,
-                    "files": [
-                        {
-                            "filename": fn,
-                            "url": f"/files/{project}/{fn}",
-                            "hashes": {},
-                            **({"size": size} if size else {}),
-                        }
-                        for fn, (_, size, _) in files[project].items()
-                    ],
-                }
-                body = json.dumps(doc).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/vnd.pypi.simple.v1+json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                send_simple_page(self, project, {fn: size for fn, (_, size, _) in files[project].items()})
                 return
             if len(parts) == 3 and parts[0] == "files" and parts[2] in files.get(parts[1], {}):
                 data, size, cut = files[parts[1]][parts[2]]

@@ -4,7 +4,6 @@ after the last kill succeeds and gives the same wheel, byte for byte, as an undi
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import Checkout, make_checkout
+from conftest import Checkout, make_checkout, send_simple_page
 
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest
@@ -42,23 +41,10 @@ def slow_index(manifest: Manifest, real_cache: Path) -> Iterator[str]:
         def do_GET(self) -> None:
             parts = [p for p in self.path.split("/") if p]
             if len(parts) == 2 and parts[0] == "simple" and parts[1] == "vllm":
-                doc = {
-                    "meta": {"api-version": "1.1"},
-                    "name": "vllm",
-                    "files": [
-                        {"filename": n, "url": f"/files/{n}", "hashes": {}, "size": p.stat().st_size}
-                        for n, (p, _) in files.items()
-                    ],
-                }
-                body = json.dumps(doc).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/vnd.pypi.simple.v1+json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                send_simple_page(self, "vllm", {n: p.stat().st_size for n, (p, _) in files.items()})
                 return
-            if len(parts) == 2 and parts[0] == "files" and parts[1] in files:
-                path, pause = files[parts[1]]
+            if len(parts) == 3 and parts[0] == "files" and parts[2] in files:
+                path, pause = files[parts[2]]
                 self.send_response(200)
                 self.send_header("Content-Length", str(path.stat().st_size))
                 self.end_headers()

@@ -562,3 +562,47 @@ def test_signatures_check_out_with_openssl(signed: Release, keys: dict[str, Path
         cmd += ["-in", str(tmp_path / "pae"), "-sigfile", str(tmp_path / "sig")]
         ok = subprocess.run(cmd, capture_output=True, text=True)
         assert ok.returncode == 0 and "Signature Verified Successfully" in ok.stdout, ok.stdout + ok.stderr
+
+
+def _cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "vllm_dflash", "--root", str(root), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=900)
+
+
+def test_cli_release_verify_and_publish_the_whole_release(
+    checkout: Path, built: dict[str, WheelResult], keys: dict[str, Path], reports: dict[str, Path], tmp_path: Path
+) -> None:
+    """Through the CLI: `release` writes the directory, `verify` passes it and fails (one line, exit 17) once a file
+    is altered, `publish DIR` refuses a release with a platform unvalidated and publishes one with every platform."""
+    wheels = [str(w.path) for w in built.values()]
+    rel = tmp_path / "rel"
+    made = _cli(checkout, "release", *wheels, "--out", str(rel), "--sign-key", str(keys["private"]),
+                *(a for r in reports.values() for a in ("--report", str(r))))  # fmt: skip
+    assert made.returncode == 0, made.stderr[-2000:]
+    ok = _cli(checkout, "verify", str(rel), "--key", str(keys["public"]))
+    assert ok.returncode == 0 and "verified" in ok.stdout, ok.stderr[-2000:]
+
+    half = tmp_path / "half"
+    assert _cli(checkout, "release", *wheels, "--out", str(half), "--report", str(reports["x86_64"])).returncode == 0
+    refused = _cli(checkout, "publish", str(half), "--to", str(tmp_path / "index"))
+    assert refused.returncode == PublishRefusedError.return_code
+    errors = [x for x in refused.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "aarch64: no validation report" in errors[0], refused.stderr
+    assert not (tmp_path / "index").exists()
+
+    done = _cli(checkout, "publish", str(rel), "--to", str(tmp_path / "index"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    simple = tmp_path / "index" / "simple" / "vllm"
+    assert {p.name for p in simple.glob("*.whl")} == {w.path.name for w in built.values()}
+    files = tmp_path / "index" / "releases" / next(iter(built.values())).provenance.version
+    assert (files / layout.SUMS).is_file() and (files / layout.NOTES).is_file()
+    # The published release still verifies where it landed (wheels next to the rest).
+    for w in built.values():
+        os.link(simple / w.path.name, files / w.path.name)
+    assert _cli(checkout, "verify", str(files), "--key", str(keys["public"])).returncode == 0
+
+    sbom = next(rel.glob("*.cdx.json"))
+    replace_bytes(sbom, flip_middle_byte)
+    bad = _cli(checkout, "verify", str(rel), "--key", str(keys["public"]))
+    errors = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
+    assert bad.returncode == 17 and len(errors) == 1 and "Traceback" not in bad.stderr, bad.stderr
