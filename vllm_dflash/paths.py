@@ -124,6 +124,7 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def copy_atomic(src: Path, dest: Path) -> None:
     """Copy a file to `dest` through a temporary sibling (same file system) and rename."""
+
     def fill(tmp: Path) -> None:
         shutil.copyfile(src, tmp)
 
