@@ -52,7 +52,7 @@ class BuildResult:
 
 @dataclass(frozen=True)
 class _Bases:
-    """What each platform's wheel is built on: `wheels[platform]` is a base wheel path, or None (not fetched yet)."""
+    """What the wheels are built on: the platforms, a wheel the user gave (else the pinned ones, fetched later)."""
 
     platforms: tuple[str, ...]
     given: Path | None  # --base-wheel PATH
