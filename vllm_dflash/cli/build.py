@@ -137,9 +137,11 @@ def run_build(args: argparse.Namespace) -> int:
 
 
 def run_wheel(args: argparse.Namespace) -> int:
+    from vllm_dflash.pipeline.fullbuild import preflight
     from vllm_dflash.pipeline.source import default_dest, find_prepared
 
     co = checkout(args)
+    preflight(args.mode)  # --mode full: refuse before looking for any tree when the toolchain is missing
     if args.tree is not None:
         if not (args.tree / ".git").exists():
             raise ManifestError(f"--tree {args.tree} is not a git work tree", "pass a tree `vllm-dflash source` made")
