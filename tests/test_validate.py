@@ -36,6 +36,7 @@ from vllm_dflash.validate.server import (
     http_get,
     installed_matches_wheel,
     installed_vllm,
+    launch_spec,
     launch_subprocess,
 )
 
@@ -98,7 +99,7 @@ class Servers:
     def get(self, speculative: bool) -> str:
         if self.kind is not speculative or self.server is None:
             self.stop()
-            spec = self.profile.launch_spec(speculative)
+            spec = launch_spec(self.profile, speculative)
             self.server = self.stack.enter_context(launch_subprocess(spec, self.python, log_dir=self.log_dir))
             self.kind = speculative
         return self.server.base_url

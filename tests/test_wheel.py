@@ -81,6 +81,7 @@ def test_name_version_and_provenance(built: WheelResult, manifest: Manifest, pat
         "commit": "f98b2747f",
         "commit_pinned": "f98b2747f",
         "source_kind": "sdist",
+        "sdist": {"filename": manifest.sdist.filename, "sha256": manifest.sdist.sha256},
     }
     assert [(p["name"], p["sha256"], p["commit"]) for p in doc["patches"]] == [
         (p.name, p.sha256, sha) for p, sha in patched.commits
