@@ -1,6 +1,7 @@
 """dist.toml + VERSION: the pin, every hashed artifact, build defaults, known releases, validation profiles and the
 publish policy. This module owns the format: it reads the file once into frozen dataclasses (unknown keys refused
-with a "did you mean"), and it is the only writer of dist.toml and VERSION (`repin`).
+with a "did you mean"), and it renders every dist.toml and VERSION the tool writes (`repinned_text`, `version_text`;
+`rebase` checks the result by parsing it back before writing it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dflash.errors import ManifestError
-from vllm_dflash.paths import bare_name, confine_relative, storage_error, write_text_atomic
+from vllm_dflash.paths import bare_name, confine_relative, storage_error
 from vllm_dflash.report import canonical_json
 
 MANIFEST_NAME = "dist.toml"
@@ -489,7 +490,7 @@ def load_manifest(root: Path | None = None) -> Manifest:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Writing (the only writer of dist.toml and VERSION)
+# Writing: the text of every dist.toml and VERSION the tool writes
 
 
 def _set_artifacts(doc: Any, key: str, arts: Mapping[str, Artifact]) -> None:
@@ -562,10 +563,3 @@ def repinned_text(
 
 def version_text(version: str) -> str:
     return version + "\n"
-
-
-def write_manifest(root: Path, manifest_text: str, version: str) -> None:
-    """Write dist.toml and VERSION (each atomically), after checking that together they load."""
-    parse_manifest(tomllib.loads(manifest_text), version_text(version), root, manifest_text)
-    write_text_atomic(root / MANIFEST_NAME, manifest_text)
-    write_text_atomic(root / VERSION_NAME, version_text(version))

@@ -11,7 +11,6 @@ import contextlib
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -147,20 +146,6 @@ def built_dir(dest: Path) -> Iterator[Path]:
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def temp_dir_beside(path: Path, prefix: str | None = None) -> Iterator[Path]:
-    """A private temporary directory next to `path` (same file system, so its contents can be renamed in)."""
-    ensure_dir(path.parent)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=prefix or f".{path.name}.{os.getpid()}.", dir=path.parent))
-    except OSError as exc:
-        raise storage_error(exc, path.parent, "create a temporary directory in") from None
-    try:
-        yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

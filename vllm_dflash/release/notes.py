@@ -6,7 +6,7 @@ nothing is dated, so the same inputs give the same text.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_dflash.release import layout
@@ -215,10 +215,3 @@ def release_notes(
 def sha256s_named(text: str) -> set[str]:
     """Every 64-hex string in the notes (verify checks each wheel's sha256 is among them)."""
     return set(re.findall(r"\b[0-9a-f]{64}\b", text))
-
-
-def reports_by_wheel(reports: Sequence[AttachedReport]) -> Mapping[str, list[AttachedReport]]:
-    out: dict[str, list[AttachedReport]] = {}
-    for a in reports:
-        out.setdefault(a.wheel, []).append(a)
-    return out

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import socket
 import subprocess
 import tempfile
@@ -18,7 +17,7 @@ import urllib.error
 import urllib.request
 import uuid
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -451,7 +450,3 @@ def use_endpoint(
             binding=binding,
         ),
     )
-
-
-def describe_command(cmd: Sequence[str]) -> str:
-    return shlex.join(cmd)
