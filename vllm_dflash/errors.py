@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+DISK_FULL_HINT = "free disk space there (or move the cache with VLLM_DFLASH_CACHE) and run again"
+
 
 class DflashError(Exception):
     """Base class: `message` says what is wrong, `hint` what to do about it, both on one line. `detail` is optional

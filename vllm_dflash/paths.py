@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from vllm_dflash.errors import DflashError, ManifestError, StorageError
+from vllm_dflash.errors import DISK_FULL_HINT, DflashError, ManifestError, StorageError
 
 # A bare file name: letters, digits and the punctuation wheel, sdist and patch names use. Nothing else.
 _BARE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+~=-]*$")
@@ -63,8 +63,8 @@ def storage_error(exc: OSError, path: Path | str, doing: str) -> StorageError:
     import errno
 
     hints = {
-        errno.ENOSPC: "free disk space there (or move the cache with VLLM_DFLASH_CACHE) and run again",
-        errno.EDQUOT: "free disk space there (or move the cache with VLLM_DFLASH_CACHE) and run again",
+        errno.ENOSPC: DISK_FULL_HINT,
+        errno.EDQUOT: DISK_FULL_HINT,
         errno.EROFS: "the file system is read-only; choose a writable location",
         errno.EACCES: "you lack permission there; choose a location you can write or fix its permissions",
         errno.EPERM: "you lack permission there; choose a location you can write or fix its permissions",

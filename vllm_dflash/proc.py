@@ -16,10 +16,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from vllm_dflash.errors import DflashError
+from vllm_dflash.errors import DISK_FULL_HINT, DflashError, StorageError
 
 TAIL_LINES = 3  # lines of a failed command's output that go into the one-line error
 TAIL_CHARS = 600  # and at most this much of them
+# A child that runs out of disk fails for the reason our own writes would: say so, whatever the caller's hint guessed.
+DISK_FULL = ("No space left on device", "Disk quota exceeded")
 
 
 def echo(args: Sequence[str | os.PathLike[str]], cwd: Path | None = None) -> None:
@@ -27,12 +29,18 @@ def echo(args: Sequence[str | os.PathLike[str]], cwd: Path | None = None) -> Non
     print(f"+ {where}{shlex.join(str(a) for a in args)}", file=sys.stderr, flush=True)
 
 
-def _tee(stream: IO[str], keep: collections.deque[str]) -> None:
+def _disk_full(line: str) -> bool:
+    return any(marker in line for marker in DISK_FULL)
+
+
+def _tee(stream: IO[str], keep: collections.deque[str], disk_full: list[str]) -> None:
     for line in stream:
         sys.stderr.write(line)
         sys.stderr.flush()
         if line.strip():
             keep.append(line.rstrip("\n"))
+        if _disk_full(line):
+            disk_full.append(line.strip())  # seen anywhere in the output, not only in the kept tail
 
 
 def tail_text(lines: Sequence[str]) -> str:
@@ -60,12 +68,14 @@ def call(
         echo(args, cwd)
     full_env = None if env is None else {**os.environ, **env}
     argv = [str(a) for a in args]
+    disk_full: list[str] = []
     try:
         if capture:
             result = subprocess.run(
                 argv, cwd=cwd, env=full_env, text=True, input=input_text, capture_output=True, check=False
             )
             lines = ((result.stderr or "") + (result.stdout or "")).strip().splitlines()
+            disk_full.extend(line.strip() for line in lines if _disk_full(line))
         else:
             keep: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
             with subprocess.Popen(
@@ -77,7 +87,7 @@ def call(
                 stdin=subprocess.PIPE if input_text is not None else None,
                 stderr=subprocess.PIPE,
             ) as popen:
-                reader = threading.Thread(target=_tee, args=(popen.stderr, keep), daemon=True)
+                reader = threading.Thread(target=_tee, args=(popen.stderr, keep, disk_full), daemon=True)
                 reader.start()
                 if input_text is not None and popen.stdin is not None:
                     popen.stdin.write(input_text)
@@ -91,5 +101,7 @@ def call(
     except OSError as exc:
         raise error(f"cannot run `{argv[0]}`: {exc.strerror or exc}", hint) from None
     if check and result.returncode != 0:
+        if disk_full:  # the line that says so, wherever it was in the output
+            raise StorageError(f"`{shlex.join(argv)}` exited {result.returncode}: {disk_full[0]}", DISK_FULL_HINT)
         raise error(f"`{shlex.join(argv)}` exited {result.returncode}: {tail_text(lines)}", hint)
     return result
