@@ -93,8 +93,9 @@ def temp_sibling(path: Path, suffix: str = ".tmp") -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}{suffix}")
 
 
-def _through_temp(path: Path, fill: Callable[[Path], None]) -> None:
-    """`fill` a temporary sibling of `path`, then rename it into place; nothing half-written keeps the name."""
+def fill_atomic(path: Path, fill: Callable[[Path], None]) -> None:
+    """`fill` a temporary sibling of `path` (a function or a subprocess writing it), then rename it into place;
+    nothing half-written keeps the name."""
     ensure_dir(path.parent)
     tmp = temp_sibling(path)
     try:
@@ -114,7 +115,7 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
             fh.flush()
             os.fsync(fh.fileno())
 
-    _through_temp(path, fill)
+    fill_atomic(path, fill)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -127,7 +128,7 @@ def copy_atomic(src: Path, dest: Path) -> None:
     def fill(tmp: Path) -> None:
         shutil.copyfile(src, tmp)
 
-    _through_temp(dest, fill)
+    fill_atomic(dest, fill)
 
 
 @contextlib.contextmanager

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     skipped: list[str] = []
     for machine in wanted:
         why_not = img.can_build_for(machine)
-        if why_not is not None and len(wanted) == 1:
+        if why_not is not None and len(wanted) == 1:  # before looking for that platform's wheel
             raise ContainerError(f"cannot build the {machine} image: {why_not}", img.EMULATION_HINT)
         if why_not is not None:
             skipped.append(f"{machine}: {why_not}")

@@ -299,8 +299,6 @@ def judge(
 ) -> Outcome:
     """Verdict for one build on one case, from the oracle's metrics."""
     expected: str = "pass" if build == "patched" else spec.expect_stock
-    if spec.refusal:
-        return judge_refusal(spec, build, metrics, error)
     if metrics is None:
         return Outcome(spec.name, build, "error", expected, False, reasons=(error or "no metrics",))
     main = metrics["main"]

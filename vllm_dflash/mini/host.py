@@ -24,10 +24,12 @@ from typing import Any
 from vllm_dflash import proc
 from vllm_dflash.errors import ConformanceError
 from vllm_dflash.fetch import cache_dir
+from vllm_dflash.paths import ensure_dir
 
 _HERE = Path(__file__).resolve().parent
 # The source files whose change may change the trained models.
 TRAINING_SOURCES = (_HERE / "train.py", _HERE / "corpus.py")
+_BROKEN_ENV_HINT = "the reference environment is broken: delete it under the cache's envs/ and retry"
 
 
 def _tokenizer_code() -> bytes:
@@ -69,8 +71,7 @@ def ensure_mini_models(ref_python: Path, config: Mapping[str, Any] | None = None
     `config` overrides train.DEFAULT_CONFIG (tests use it for a quick small build). Concurrent callers wait on a
     lock; the directory appears only when complete (train.py renames it into place).
     """
-    base = cache_dir() / "mini"
-    base.mkdir(parents=True, exist_ok=True)
+    base = ensure_dir(cache_dir() / "mini", "miniature cache directory")
     out = base / mini_key(ref_python, config)
     with (base / f".{out.name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -84,7 +85,7 @@ def ensure_mini_models(ref_python: Path, config: Mapping[str, Any] | None = None
             json.dumps({"out": str(out), "config": dict(config or {})}),
             env=_environ(),
             error=ConformanceError,
-            hint="the reference environment is broken: delete it under the cache's envs/ and retry",
+            hint=_BROKEN_ENV_HINT,
         )
     return out
 
@@ -119,7 +120,7 @@ def run_refloop(
         json.dumps(job),
         env=_environ(),
         error=ConformanceError,
-        hint="the reference environment is broken: delete it under the cache's envs/ and retry",
+        hint=_BROKEN_ENV_HINT,
     )
     result: dict[str, Any] = json.loads(Path(out).read_text())
     return result

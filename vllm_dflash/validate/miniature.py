@@ -23,7 +23,7 @@ from vllm_dflash.errors import ManifestError, MeasurementError
 from vllm_dflash.fetch import cache_dir, fetch, sha256_file
 from vllm_dflash.manifest import Manifest, Profile
 from vllm_dflash.mini import host
-from vllm_dflash.paths import write_text_atomic
+from vllm_dflash.paths import fill_atomic
 from vllm_dflash.pipeline.build import cached_build
 from vllm_dflash.series import Queues
 from vllm_dflash.validate.smoke import Prompt, Reference, ServerChoice
@@ -120,15 +120,14 @@ def _reference(ref_python: Path, models: Path, n: int, max_tokens: int) -> Refer
     """The reference loop's result on the first `n` prompts, computed once per (models, n, max_tokens): it is a
     deterministic function of them, and a second validation (another wheel) reuses it."""
     out = models / f"refloop-{n}-{max_tokens}.json"
-    if out.is_file():
-        result = json.loads(out.read_text())
-    else:
-        tmp = out.with_name(f".{out.name}.tmp")
-        result = host.run_refloop(
-            ref_python, models, tmp, semantics=["reference"], prompts=n, max_tokens=max_tokens, literal=False
-        )
-        write_text_atomic(out, json.dumps(result, indent=1, sort_keys=True))
-        tmp.unlink(missing_ok=True)
+    if not out.is_file():
+
+        def fill(tmp: Path) -> None:
+            host.run_refloop(ref_python, models, tmp, semantics=["reference"], prompts=n, max_tokens=max_tokens,
+                             literal=False)  # fmt: skip
+
+        fill_atomic(out, fill)
+    result = json.loads(out.read_text())
     mode = result["modes"]["reference"]
     if not mode.get("lossless", False):
         raise MeasurementError(

@@ -151,6 +151,9 @@ class RunResult:
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    def texts(self) -> dict[str, str]:
+        return {c.prompt_id: c.text for c in self.completions}
+
 
 def _busy_time(intervals: Sequence[tuple[float, float]]) -> float:
     total, cur_start, cur_end = 0.0, None, None
@@ -402,7 +405,7 @@ class Measurement:
         return out
 
     def texts(self) -> dict[str, str]:
-        return {c.prompt_id: c.text for c in self.run.completions}
+        return self.run.texts()
 
 
 def measure(
@@ -425,17 +428,17 @@ def measure(
     return Measurement(server=described, before=before, after=after, run=run, timings=timings)
 
 
-def _match_rate(got: Mapping[str, str], want: Mapping[str, str]) -> tuple[int, float]:
+def _matching(got: Mapping[str, str], want: Mapping[str, str]) -> dict[str, Any]:
+    """How many of `want`'s outputs (by prompt id) `got` reproduced exactly, and the rate."""
     matches = sum(1 for pid, text in want.items() if got.get(pid) == text)
-    return matches, (matches / len(want) if want else 0.0)
+    return {"matches": matches, "rate": matches / len(want) if want else 0.0}
 
 
 def _comparison(m: Measurement, reference: Reference | None) -> dict[str, Any]:
     acc = metrics.acceptance(m.delta)
     out: dict[str, Any] = {"server": dict(m.server), "counters": m.delta.as_dict(), "acceptance": acc.as_dict()}
     if reference is not None:
-        matches, rate = _match_rate(m.texts(), reference.texts)
-        out["lossless_vs_reference"] = {"matches": matches, "rate": rate}
+        out["lossless_vs_reference"] = _matching(m.texts(), reference.texts)
     return out
 
 
@@ -515,9 +518,8 @@ def validate(
             ref = reference()
             timings["reference_s"] = time.monotonic() - t
             body["reference"] = {"acceptance_length": ref.acceptance_length, **ref.detail}
-            matches, rate = _match_rate(m.texts(), ref.texts)
-            body["lossless_vs_reference"] = {"matches": matches, "rate": rate}
-            match_rate = rate if match_rate is None else min(match_rate, rate)
+            lossless = body["lossless_vs_reference"] = _matching(m.texts(), ref.texts)
+            match_rate = lossless["rate"] if match_rate is None else min(match_rate, lossless["rate"])
         if others:
             body["comparisons"] = {name: _comparison(o, ref) for name, o in others.items()}
         body["per_prompt"] = _per_prompt(m, others, ref)
@@ -565,9 +567,7 @@ def _baseline(
     """Same prompts without speculation: throughput ratio, and how many greedy outputs match exactly."""
     with _server(choice, profile, speculative=False) as server:
         base = run_prompts(server.base_url, profile, prompts, show_progress=show)
-    spec_by_id = {c.prompt_id: c.text for c in spec_run.completions}
-    matches = sum(1 for c in base.completions if spec_by_id.get(c.prompt_id) == c.text)
-    match_rate = matches / len(base.completions)
+    lossless = _matching(spec_run.texts(), base.texts())
     speedup = spec_run.tokens_per_s / base.tokens_per_s if base.tokens_per_s > 0 else None
     return (
         {
@@ -575,10 +575,10 @@ def _baseline(
             "wall_s": base.wall_s,
             "tokens_per_s": base.tokens_per_s,
             "speedup": speedup,
-            "lossless_matches": matches,
-            "lossless_match_rate": match_rate,
+            "lossless_matches": lossless["matches"],
+            "lossless_match_rate": lossless["rate"],
         },
-        match_rate,
+        lossless["rate"],
     )
 
 
