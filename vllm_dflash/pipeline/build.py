@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_dflash.errors import ManifestError, StorageError, UnsupportedModeError
+from vllm_dflash.errors import ManifestError, UnsupportedModeError
 from vllm_dflash.fetch import fetch
 from vllm_dflash.manifest import MACHINES, Manifest
-from vllm_dflash.paths import ensure_dir, temp_sibling
+from vllm_dflash.paths import check_output_dir, ensure_dir, sweep_stale, temp_sibling
 from vllm_dflash.pipeline import fullbuild, source
 from vllm_dflash.pipeline.model import MODES, SOURCE_KINDS, VARIANTS, PatchedTree, WheelResult
 from vllm_dflash.pipeline.patches import apply_series
@@ -73,8 +73,8 @@ def _check_options(options: BuildOptions) -> None:
             raise ManifestError(f"unknown platform '{plat}'", f"use one of {', '.join(MACHINES)} or 'all'")
     if options.base not in BASES and not Path(options.base).is_file():
         raise ManifestError(f"--base-wheel {options.base}: no such file", "pass a wheel path, 'upstream' or 'cpu'")
-    if options.out_dir is not None and options.out_dir.exists() and not options.out_dir.is_dir():
-        raise StorageError(f"--out {options.out_dir} is a file, not a directory", "pass a directory")
+    if options.out_dir is not None:
+        check_output_dir(options.out_dir, "--out")  # before the first stage: /proc/x, a file, a read-only mount
 
 
 def _bases(manifest: Manifest, options: BuildOptions) -> _Bases:
@@ -134,6 +134,9 @@ def build(manifest: Manifest, queues: Queues, options: BuildOptions) -> BuildRes
     platforms = _platforms_for(choice.mode, bases, options)
     print(f"build mode: {choice.mode} ({choice.reason})", flush=True)
     out_dir = options.out_dir or manifest.dist_dir
+    if options.out_dir is None:
+        check_output_dir(out_dir, "output directory")
+        sweep_stale(out_dir)  # the checkout's dist/ is the tool's: dead builds' temporaries go; --out never is
     created = not out_dir.exists()
     results: list[WheelResult] = []
     try:
