@@ -272,7 +272,7 @@ def parse_version(text: str, upstream_version: str) -> str:
         raise ManifestError(f"{VERSION_NAME} '{version}' is not '<upstream version>+dflash.<N>'", example)
     n = m.group("n")
     if n.startswith("0"):
-        what = "0: N counts builds from 1" if set(n) == {"0"} else f"'{n}' has a leading zero"
+        what = "0: N counts builds from 1" if n == "0" else f"'{n}' has a leading zero"
         raise ManifestError(
             f"{VERSION_NAME} '{version}': dflash.{what} (PEP 440 reads +dflash.01 as +dflash.1: two labels, one "
             "version)",

@@ -156,7 +156,7 @@ def check_output_file(path: Path, what: str) -> Path:
     return path
 
 
-def check_output_dir(path: Path, what: str) -> Path:
+def check_output_dir(path: Path, what: str, probe_existing: bool = True) -> Path:
     """`path` when a directory of results can be made or filled there; else one line, before any stage ran.
 
     A directory that exists must be one (a symlink to one is followed); one that does not must be creatable: the
@@ -164,12 +164,15 @@ def check_output_dir(path: Path, what: str) -> Path:
     test: /proc or a read-only mount say no only when asked).
     """
     if path.exists() and not path.is_dir():
-        raise StorageError(f"{what} {path} is a file, not a directory", "pass a directory")
+        kind = "a file" if path.is_file() else _kind(os.stat(path).st_mode)
+        raise StorageError(f"{what} {path} is {kind}, not a directory", "pass a directory")
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
         raise StorageError(f"{what} {path}: {probe} is a file, not a directory", "choose a directory path")
+    if probe == path and not probe_existing:
+        return path
     test = probe / _marked("probe", "tmp")
     try:
         os.mkdir(test)

@@ -27,12 +27,12 @@ def checkout(args: argparse.Namespace) -> Checkout:
     return Checkout(m, read_queues(m.series_path, m.cpu_series_path))
 
 
-# Every option that names where a command writes: (command, option attribute, "dir" | "file"). Checked in `main`
-# right after parsing, before any command reads or writes anything (publish --to: cli/publish.py, by its own rules).
+# Every option that names where a command writes: (command, option attribute, "dir" | "tree" | "file"). Checked in
+# `main` right after parsing, before any command reads or writes anything (publish --to: cli/publish.py, own rules).
 OUTPUTS: tuple[tuple[str, str, str], ...] = (
     ("build", "out", "dir"),
     ("wheel", "out", "dir"),
-    ("source", "dest", "dir"),
+    ("source", "dest", "tree"),  # an existing --dest is judged by the source stage (reused or refused)
     ("release", "out", "dir"),
     ("validate", "report", "file"),
     ("conformance", "report", "file"),
@@ -46,7 +46,7 @@ def check_outputs(args: argparse.Namespace) -> None:
         if value is None:
             continue
         flag = f"--{attr}"
-        if kind == "dir":
-            check_output_dir(Path(value), flag)
+        if kind in ("dir", "tree"):
+            check_output_dir(Path(value), flag, probe_existing=kind == "dir")
         else:
             check_output_file(Path(value), flag)

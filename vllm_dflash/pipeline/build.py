@@ -133,6 +133,8 @@ def build(manifest: Manifest, queues: Queues, options: BuildOptions) -> BuildRes
     choice = fullbuild.choose_mode(patches, bases.available, options.mode)
     platforms = _platforms_for(choice.mode, bases, options)
     print(f"build mode: {choice.mode} ({choice.reason})", flush=True)
+    if choice.mode == "full" and options.mode != "full":
+        fullbuild.preflight("full")  # auto chose the full build: its toolchain is checked before any stage, too
     out_dir = options.out_dir or manifest.dist_dir
     if options.out_dir is None:
         check_output_dir(out_dir, "output directory")
