@@ -330,16 +330,16 @@ def built_dir(dest: Path) -> Iterator[Path]:
     """A directory built under a temporary sibling name and renamed to `dest` when the block ends without error.
 
     Yields the temporary path, not yet created (a caller may create it by renaming something there). Something
-    already at `dest` is never replaced (StorageError: it is not ours to delete); a killed build leaves only a
-    marked hidden temporary that `sweep_stale` removes later where the tool owns the directory.
+    already at `dest` is never replaced: when another run put it there meanwhile (content-addressed caches), the
+    first writer wins and ours is dropped. A killed build leaves only a marked hidden temporary that `sweep_stale`
+    removes later where the tool owns the directory.
     """
     ensure_dir(dest.parent)
     tmp = temp_sibling(dest)
     try:
         yield tmp
-        if os.path.lexists(dest):
-            raise StorageError(f"{dest} appeared while it was being built", f"move {dest} away or choose another")
-        os.replace(tmp, dest)
+        if not os.path.lexists(dest):
+            os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -189,6 +189,7 @@ def cached_build(manifest: Manifest, queues: Queues, base: str, variant: str, ca
     out = ensure_dir(cache / "wheels") / f"{base}-{variant}-{_build_key(manifest, queues, base, variant)}"
     with (out.parent / ".build.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent runs share the private tree and the wheel cache
+        sweep_stale(out.parent)  # the cache's own: a killed build's marked temporary
         done = sorted(out.glob("*.whl")) if out.is_dir() else []
         if done:
             return done[0]
