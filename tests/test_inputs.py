@@ -278,6 +278,8 @@ def _etc_listing() -> list[tuple[str, int]]:
         ("file:///usr/share/idx", "system directory /usr"),
         ("/proc/idx", "system directory /proc"),
         ("/", "system directory /"),
+        ("file://{user}/etc-like/../../../../../../../../etc", "system directory /etc"),  # `..` climbs out
+        ("{tmp}/etc-link/simple", "system directory /etc"),  # a link into /etc is /etc
         ("{user}/etc-like/passwd/idx", "is a file, not a directory"),
         ("{user}/no/such/idx", "nor its parent"),
     ],
@@ -285,8 +287,9 @@ def _etc_listing() -> list[tuple[str, int]]:
 def test_publish_destination_is_checked_first(co: Checkout, user: Path, tmp_path: Path, to: str, phrase: str) -> None:
     wheel = tmp_path / "demo-1.0-py3-none-any.whl"
     wheel.write_bytes(b"not looked at before the destination")
+    (tmp_path / "etc-link").symlink_to("/etc", target_is_directory=True)
     etc = _etc_listing()
-    r = co.cli("publish", str(wheel), "--to", to.replace("{user}", str(user)))
+    r = co.cli("publish", str(wheel), "--to", to.replace("{user}", str(user)).replace("{tmp}", str(tmp_path)))
     assert phrase in one_error(r, PublishRefusedError.return_code)
     assert _etc_listing() == etc
 
