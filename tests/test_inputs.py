@@ -34,6 +34,7 @@ from vllm_dflash.errors import (
     ToolchainError,
     VerifyError,
 )
+from vllm_dflash.manifest import Manifest
 
 DEAD_INDEX = "http://127.0.0.1:9/simple"  # nothing listens on the discard port: a NetworkError at the first fetch
 DEAD_ENDPOINT = "http://127.0.0.1:9"
@@ -419,15 +420,15 @@ def test_ctrl_c_traceback_is_what_the_check_sees() -> None:
 
 
 @pytest.mark.parametrize("dest", ["/", "{user}/etc-like", "{user}/out"])
-def test_source_dest_never_suggests_deleting_what_the_tool_did_not_make(co: Checkout, user: Path, dest: str) -> None:
-    # The sdist download needs the index: the shared downloads are linked in so the stage reaches the destination.
-    from vllm_dflash.fetch import cache_dir
+def test_source_dest_never_suggests_deleting_what_the_tool_did_not_make(
+    co: Checkout, user: Path, dest: str, real_cache: Path, manifest: Manifest
+) -> None:
+    # The stage reaches the destination only with the sdist at hand: the shared downloads are linked in.
+    from vllm_dflash.fetch import fetch
 
-    real = cache_dir() / "downloads"
-    if not (real / "vllm-0.20.1.tar.gz").is_file():
-        pytest.skip("needs the cached vLLM sdist")
+    fetch(manifest.sdist)
     co.cache.mkdir(parents=True, exist_ok=True)
-    (co.cache / "downloads").symlink_to(real, target_is_directory=True)
+    (co.cache / "downloads").symlink_to(real_cache / "downloads", target_is_directory=True)
     r = co.cli("source", "--source", "sdist", "--dest", dest.replace("{user}", str(user)))
     line = one_error(r, DirtyTreeError.return_code)
     assert "not a tree prepared by vllm-dflash" in line and "delete" not in line.lower(), line

@@ -147,8 +147,7 @@ def check_output_file(path: Path, what: str) -> Path:
             f"{what} {path} exists and is {_kind(mode)}, not a regular file",
             "name a new file or a regular file to replace; the tool never writes over anything else",
         )
-    parent = path.parent
-    probe = parent
+    probe = path.parent
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
@@ -176,9 +175,9 @@ def check_output_dir(path: Path, what: str, probe_existing: bool = True) -> Path
     test = probe / _marked("probe", "tmp")
     try:
         os.mkdir(test)
-    except OSError as exc:
-        target = path if probe == path else path.relative_to(probe).parts[0]
-        raise storage_error(exc, probe / target if probe != path else path, f"create {what}") from None
+    except OSError as exc:  # name what would have been made: the first missing part (or `path` itself)
+        first = path if probe == path else probe / path.relative_to(probe).parts[0]
+        raise storage_error(exc, first, f"create {what}") from None
     os.rmdir(test)
     return path
 
