@@ -38,6 +38,7 @@ from vllm_dflash.manifest import Manifest
 
 DEAD_INDEX = "http://127.0.0.1:9/simple"  # nothing listens on the discard port: a NetworkError at the first fetch
 DEAD_ENDPOINT = "http://127.0.0.1:9"
+DEAD = ("--endpoint", DEAD_ENDPOINT)  # validate against nothing: a MeasurementError once the checks passed
 SDIST_STAGE = "1/3 source"
 
 
@@ -159,7 +160,7 @@ def git_patch(tmp: Path, path: str, name: str = "0001-x.patch") -> Path:
 @pytest.mark.parametrize("node", ["dev/null", "dev/full", "dev/fifo", "dev/sock", "etc-like"])
 def test_a_result_is_never_written_over_a_special_file(co: Checkout, user: Path, tmp_path: Path, node: str) -> None:
     target = user / node
-    r = co.cli("validate", "--profile", "local", "--endpoint", DEAD_ENDPOINT, "--report", str(target))
+    r = co.cli("validate", "--profile", "local", *DEAD, "--report", str(target))
     line = one_error(r, StorageError.return_code)
     assert str(target) in line and "not a regular file" in line, line
     assert "prompt" not in r.stdout.lower()  # refused before any work
@@ -169,7 +170,7 @@ def test_a_result_twin_is_written(co: Checkout, tmp_path: Path) -> None:
     """The twin: a new file, or a regular file to replace, passes the check (the dead endpoint stops it later)."""
     (tmp_path / "old.json").write_text("{}")
     for name in ("new.json", "old.json"):
-        r = co.cli("validate", "--profile", "local", "--endpoint", DEAD_ENDPOINT, "--report", str(tmp_path / name))
+        r = co.cli("validate", "--profile", "local", *DEAD, "--report", str(tmp_path / name))
         one_error(r, MeasurementError.return_code)
 
 
@@ -229,19 +230,19 @@ def test_build_into_a_users_out_dir_keeps_everything_there(checkout: Checkout, u
 
 def test_profile_name_with_path_parts_is_refused(co: Checkout, user: Path, tmp_path: Path) -> None:
     co.edit_manifest("[profiles.local]", '[profiles."x/../../evilv"]')
-    r = co.cli("validate", "--profile", "x/../../evilv", "--endpoint", DEAD_ENDPOINT)
+    r = co.cli("validate", "--profile", "x/../../evilv", *DEAD)
     assert "profile name 'x/../../evilv' is not a plain name" in one_error(r, ManifestError.return_code)
     assert not (co.root.parent.parent / "evilv").exists() and not list(co.root.glob("validation-*"))
 
     co.edit_manifest('[profiles."x/../../evilv"]', "[profiles.evilv]")
-    r = co.cli("validate", "--profile", "evilv", "--endpoint", DEAD_ENDPOINT, "--report", str(tmp_path / "r.json"))
+    r = co.cli("validate", "--profile", "evilv", *DEAD, "--report", str(tmp_path / "r.json"))
     one_error(r, MeasurementError.return_code)
 
 
 @pytest.mark.parametrize("prompts", ["../outside.jsonl", "/etc/passwd", "prompts/../../outside.jsonl"])
 def test_prompts_path_outside_the_checkout_is_refused(co: Checkout, user: Path, prompts: str) -> None:
     co.edit_manifest('prompts = "coding"', f'prompts = "{prompts}"')
-    r = co.cli("validate", "--profile", "local", "--endpoint", DEAD_ENDPOINT)
+    r = co.cli("validate", "--profile", "local", *DEAD)
     assert "not a relative path inside" in one_error(r, ManifestError.return_code)
 
 
@@ -252,7 +253,7 @@ def test_prompts_path_is_read_from_the_checkout_not_the_cwd(co: Checkout, user: 
     (elsewhere / "prompts").mkdir(parents=True)
     (elsewhere / "prompts" / "p.jsonl").write_text("not json\n")
     co.edit_manifest('prompts = "coding"', 'prompts = "prompts/p.jsonl"')
-    argv = ["validate", "--profile", "local", "--endpoint", DEAD_ENDPOINT, "--report", str(tmp_path / "r.json")]
+    argv = ["validate", "--profile", "local", *DEAD, "--report", str(tmp_path / "r.json")]
     cmd = [sys.executable, "-m", "vllm_dflash", "--root", str(co.root), *argv]
     env = {**os.environ, "VLLM_DFLASH_CACHE": str(co.cache)}
     r = subprocess.run(cmd, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
@@ -385,7 +386,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@pytest.mark.parametrize("cpu", [0.12, 0.25, 0.4, 0.6, 0.9])
+@pytest.mark.parametrize("cpu", [0.1, 0.2, 0.3, 0.4])
 def test_ctrl_c_before_the_first_stage_is_one_line(co: Checkout, cpu: float) -> None:
     """SIGINT once the command has used `cpu` seconds of CPU: past Python's own start-up (site, ~0.05 s of CPU), in
     our imports, parsing or the first stage -- never a traceback, always one line and 130. An index that accepts
@@ -398,7 +399,7 @@ def test_ctrl_c_before_the_first_stage_is_one_line(co: Checkout, cpu: float) -> 
     env = {**os.environ, "VLLM_DFLASH_CACHE": str(co.cache), "VLLM_DFLASH_INDEX_URL": index}
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 10  # blocked on the silent index, it uses no CPU: signal it there then
         while p.poll() is None and _cpu_seconds(p.pid) < cpu and time.monotonic() < deadline:
             time.sleep(0.005)
         assert p.poll() is None, "the command ended before the signal"
