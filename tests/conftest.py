@@ -232,8 +232,14 @@ def make_checkout(tmp: Path, cache: Path) -> Checkout:
     root.mkdir(parents=True)
     for name in ("dist.toml", "VERSION"):
         shutil.copy(REPO / name, root / name)
+    # Our real DFlash queue: a DFlash-labelled build of an empty queue is refused (stock code under our label).
     (root / "patches").mkdir()
-    (root / "patches" / "series").write_text("")
+    series = (REPO / "patches" / "series").read_text()
+    for line in series.splitlines():
+        name = line.split("#", 1)[0].strip()
+        if name:
+            shutil.copy(REPO / "patches" / name, root / "patches" / name)
+    (root / "patches" / "series").write_text(series)
     return Checkout(root=root, cache=cache)
 
 

@@ -20,6 +20,7 @@ from conftest import Checkout, make_checkout, send_simple_page
 
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest
+from vllm_dflash.paths import temporary_pid
 
 MACHINE = "x86_64"
 
@@ -95,7 +96,11 @@ def _kill(popen: subprocess.Popen[str], sig: int) -> None:
 
 
 def _dist_is_sound(co: Checkout) -> None:
-    """Whatever a kill left in dist/: nothing, or complete wheels only (never a temporary under a final name)."""
+    """Whatever a kill left in dist/: nothing, or complete wheels only (never a temporary under a final name), and
+    every temporary in dist/ and the cache carries the project mark (issue 19: the sweep removes nothing else)."""
+    for path in [*co.cache.glob("*/.*"), *co.dist.glob(".*")]:
+        if path.name.endswith((".part", ".tmp", ".unpack")):
+            assert temporary_pid(path.name) is not None, f"an unmarked temporary: {path}"
     for path in co.dist.glob("*") if co.dist.exists() else []:
         if path.name.startswith("."):
             continue  # a dead writer's temporary: hidden, never trusted, swept by the next run
@@ -161,4 +166,5 @@ def test_build_survives_a_kill_at_every_step(
     (got,) = co.dist.glob("*.whl")
     assert sha256_file(got) == want_sha, "the build after the kills gives other bytes"
     leftovers = [p for p in co.cache.rglob(".*") if p.name.endswith((".part", ".tmp", ".unpack"))]
+    leftovers += [p for p in co.dist.glob(".*")]  # the checkout's own dist/ is swept too
     assert not leftovers, leftovers  # the last run swept what the dead runs left

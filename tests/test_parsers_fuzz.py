@@ -218,3 +218,58 @@ def test_report_mutation_is_caught_by_the_seal(tmp_path: Path) -> None:
         reports.load(path, None, DflashError)
     path.write_bytes(REPORT)
     assert reports.load(path, None, DflashError).acceptance_length == 3.0
+
+
+# --- git's path quoting (issue 19): git itself is the oracle ---------------------------------------------------
+
+_NAME_CHARS = st.sampled_from(["a", "b", ".", " ", "_", "-", '"', "\\", "\t", "é", "\u00a0", "\x01", "z"])
+
+
+@pytest.fixture(scope="module")
+def quoting_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import subprocess
+
+    repo = tmp_path_factory.mktemp("quoting")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    return repo
+
+
+@SETTINGS
+@given(name=st.text(_NAME_CHARS, min_size=1, max_size=12))
+def test_diff_reads_paths_as_git_writes_them(quoting_repo: Path, name: str) -> None:
+    """Any file name git can diff (spaces, quotes, backslashes, TABs, control and non-ASCII characters) comes back
+    from `diff.parse` exactly: a C-quoted `..` is seen as `..`, a space never splits a name."""
+    import subprocess
+
+    from vllm_dflash import diff
+
+    if name.strip(".") == "" or name.startswith(" ") or name.endswith(" ") or "/" in name:
+        return
+    path = f"csrc/{name}"
+    (quoting_repo / "csrc").mkdir(exist_ok=True)
+    target = quoting_repo / path
+    target.write_text("x\n")
+    try:
+        out = subprocess.run(
+            ["git", "-c", "core.quotePath=true", "diff", "--no-index", "/dev/null", path],
+            cwd=quoting_repo,
+            capture_output=True,
+            check=False,
+        ).stdout.decode("utf-8", "surrogateescape")
+    finally:
+        target.unlink()
+    (fd,) = diff.parse(out)
+    assert fd.new_path == path, (out, fd)
+
+
+@SETTINGS
+@given(data=st.one_of(st.text(max_size=30), st.from_regex(r"0\.20\.1\+dflash\.[0-9]{1,4}", fullmatch=True)))
+def test_an_accepted_version_round_trips_through_packaging(data: str) -> None:
+    """Whatever VERSION text is accepted is exactly what PEP 440 writes back: one label, one version."""
+    from packaging.version import Version
+
+    try:
+        version = parse_version(data, "0.20.1")
+    except DflashError:
+        return
+    assert str(Version(version)) == version and version.split("+")[1] == f"dflash.{int(version.split('.')[-1])}"

@@ -10,7 +10,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-_DIFF_GIT = re.compile(r"^diff --git (?P<a>\S+) (?P<b>\S+)$")
 _HUNK = re.compile(r"^@@ -(?P<old>\d+)(?:,(?P<oldn>\d+))? \+(?P<new>\d+)(?:,(?P<newn>\d+))? @@")
 _SYMLINK_MODE = re.compile(r"^(new file mode|old mode|new mode|deleted file mode) 120000")
 
@@ -51,6 +50,67 @@ class FileDiff:
 
 def _strip(p: str) -> str:
     return p[2:] if p[:2] in ("a/", "b/") else p
+
+
+# git quotes a path that holds '"', '\\', a control character or (core.quotePath) a non-ASCII byte: C style, in double
+# quotes, with \ooo octal escapes for bytes. A space is never quoted; a TAB then ends the name on ---/+++ lines.
+_C_ESCAPES = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, '"': 34, "\\": 92}
+
+
+def _unquote_at(text: str, start: int) -> tuple[str, int]:
+    """The C-quoted name opening at `text[start]` ('"'), unquoted, and the index after its closing quote."""
+    out = bytearray()
+    i = start + 1
+    while i < len(text):
+        c = text[i]
+        if c == '"':
+            return out.decode("utf-8", "surrogateescape"), i + 1
+        if c == "\\" and i + 1 < len(text):
+            nxt = text[i + 1]
+            if nxt in "0123" and re.match(r"[0-7]{3}", text[i + 1 : i + 4]):
+                out.append(int(text[i + 1 : i + 4], 8))
+                i += 4
+                continue
+            if nxt in _C_ESCAPES:
+                out.append(_C_ESCAPES[nxt])
+                i += 2
+                continue
+            raise ValueError(f"bad escape \\{nxt}")
+        out += c.encode("utf-8", "surrogateescape")
+        i += 1
+    raise ValueError("unterminated quoted name")
+
+
+def unquote(name: str) -> str:
+    """A path as git writes it on a ---/+++/rename/copy line: C-unquoted when quoted, else up to a TAB."""
+    if name.startswith('"'):
+        try:
+            return _unquote_at(name, 0)[0]
+        except ValueError:
+            return name  # not git's quoting: kept as written (the path checks then see the quote characters)
+    return name.split("\t")[0]
+
+
+def _git_header_names(rest: str) -> tuple[str, str] | None:
+    """The two names of a `diff --git A B` line (after 'diff --git '), read as git does: either may be C-quoted;
+    two unquoted names (spaces allowed) are split where both sides name the same path. None: not decidable here
+    (a rename with unquoted spaces; its rename lines name the paths)."""
+    try:
+        if rest.startswith('"'):
+            a, end = _unquote_at(rest, 0)
+            second = rest[end + 1 :] if rest[end : end + 1] == " " else ""
+            b = _unquote_at(second, 0)[0] if second.startswith('"') else second
+            return (a, b) if b else None
+        q = rest.find(' "')
+        if q > 0 and rest.endswith('"'):
+            return rest[:q], _unquote_at(rest, q + 1)[0]
+    except ValueError:
+        return None
+    for i, c in enumerate(rest):
+        if c == " " and _strip(rest[:i]) == _strip(rest[i + 1 :]) and rest[:i]:
+            return rest[:i], rest[i + 1 :]
+    parts = rest.split(" ")
+    return (parts[0], parts[1]) if len(parts) == 2 else None
 
 
 def parse(text: str) -> tuple[FileDiff, ...]:
@@ -126,15 +186,15 @@ def parse(text: str) -> tuple[FileDiff, ...]:
             continue
         if bare.startswith("diff --git "):
             end_file()
-            m = _DIFF_GIT.match(bare)
-            a, b = (m.group("a"), m.group("b")) if m else ("", "")
+            names = _git_header_names(bare[len("diff --git ") :])
+            a, b = names or ("", "")
             cur = start(line, _strip(a) or None, _strip(b) or None, [p for p in (a, b) if p])
             continue
         plain_start = bare.startswith("--- ") and n + 1 < len(lines) and lines[n + 1].startswith("+++ ")
         if plain_start and (cur is None or hunks or head is not None or not cur["git"]):
             end_file()
-            a = bare[4:].split("\t")[0]
-            b = lines[n + 1].rstrip("\n")[4:].split("\t")[0]
+            a = unquote(bare[4:])
+            b = unquote(lines[n + 1].rstrip("\n")[4:])
             cur = start(line, None if a == "/dev/null" else _strip(a), None if b == "/dev/null" else _strip(b), [])
             cur["raw"] += [p for p in (a, b) if p != "/dev/null"]
             cur["new_file"], cur["deleted"] = a == "/dev/null", b == "/dev/null"
@@ -159,11 +219,15 @@ def parse(text: str) -> tuple[FileDiff, ...]:
             if _SYMLINK_MODE.match(bare):
                 cur["symlink"] = True
             if bare.startswith(("--- ", "+++ ")):
-                target = bare[4:].split("\t")[0]
+                target = unquote(bare[4:])
                 if target != "/dev/null":
                     cur["raw"].append(target)
+                    if cur["old" if bare.startswith("---") else "new"] is None and not (
+                        cur["new_file"] if bare.startswith("---") else cur["deleted"]
+                    ):
+                        cur["old" if bare.startswith("---") else "new"] = _strip(target)
             elif bare.startswith(("rename from ", "rename to ", "copy from ", "copy to ")):
-                path = bare.split(" ", 2)[2]
+                path = unquote(bare.split(" ", 2)[2])
                 cur["raw"].append(path)
                 cur["new" if bare.startswith(("rename to ", "copy to ")) else "old"] = path
     end_file()

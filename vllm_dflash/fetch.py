@@ -10,9 +10,9 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from vllm_dflash.errors import HashMismatchError, NetworkError
+from vllm_dflash.errors import DflashError, HashMismatchError, NetworkError, StorageError
 from vllm_dflash.manifest import Artifact
-from vllm_dflash.paths import confine, ensure_dir, storage_error, sweep_stale, temp_sibling
+from vllm_dflash.paths import confine, ensure_dir, open_regular, storage_error, sweep_stale, temp_sibling
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 _CHUNK = 1 << 20
@@ -30,9 +30,10 @@ def index_url() -> str:
     return os.environ.get("VLLM_DFLASH_INDEX_URL", DEFAULT_INDEX).rstrip("/")
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, error: type[DflashError] = StorageError) -> str:
+    """sha256 of a regular file (a device or FIFO, also behind a link, is refused with `error`: it would never end)."""
     digest = hashlib.sha256()
-    with path.open("rb") as fh:
+    with os.fdopen(open_regular(path, "file", error), "rb") as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()

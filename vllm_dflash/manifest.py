@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dflash.errors import ManifestError
-from vllm_dflash.paths import bare_name, confine_relative, storage_error
+from vllm_dflash.paths import KIB, MIB, bare_name, confine_relative, read_bounded
 from vllm_dflash.report import canonical_json
 
 MANIFEST_NAME = "dist.toml"
@@ -27,7 +27,12 @@ _COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
 _BRANCH = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/+-]*$")
 _RELEASE_VERSION = re.compile(r"^\d+\.\d+\.\d+(?:\.post\d+)?$")
 # <upstream version>+dflash.<N>; the local label must never contain "cpu" (vLLM treats that as a CPU build).
-_DIST_VERSION = re.compile(r"^(?P<base>\d+\.\d+\.\d+(?:\.post\d+)?)\+dflash\.(?P<n>\d+)$")
+# ASCII digits only (`\d` would take any script's digits); N's form is checked apart to say what is wrong with it.
+_DIST_VERSION = re.compile(r"^(?P<base>[0-9]+\.[0-9]+\.[0-9]+(?:\.post[0-9]+)?)\+dflash\.(?P<n>[0-9]+)$", re.ASCII)
+# A profile name becomes a file name (validation-NAME.json, the release's report names): a bare name, no dots run.
+_PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_-]+)*$", re.ASCII)
+MANIFEST_LIMIT = 1 * MIB  # dist.toml is ~6 KB; a megabyte is no manifest
+VERSION_LIMIT = 1 * KIB
 DEFAULT_HEALTH_TIMEOUT_S = 900.0
 
 
@@ -259,11 +264,30 @@ def _artifact_map(data: Mapping[str, Any], key: str) -> dict[str, Artifact]:
 def parse_version(text: str, upstream_version: str) -> str:
     """Check a VERSION string against the pinned upstream version and return it."""
     version = text.strip()
+    example = f"write e.g. '{upstream_version}+dflash.1' to {VERSION_NAME}"
+    if not version.isascii() or not version.isprintable():
+        raise ManifestError(f"{VERSION_NAME} {version!r} has characters outside printable ASCII", example)
     m = _DIST_VERSION.match(version)
     if not m:
+        raise ManifestError(f"{VERSION_NAME} '{version}' is not '<upstream version>+dflash.<N>'", example)
+    n = m.group("n")
+    if n.startswith("0"):
+        what = "0: N counts builds from 1" if n == "0" else f"'{n}' has a leading zero"
         raise ManifestError(
-            f"{VERSION_NAME} '{version}' is not '<upstream version>+dflash.<N>'",
-            f"write e.g. '{upstream_version}+dflash.1' to {VERSION_NAME}",
+            f"{VERSION_NAME} '{version}': dflash.{what} (PEP 440 reads +dflash.01 as +dflash.1: two labels, one "
+            "version)",
+            f"write '{m.group('base')}+dflash.{int(n) or 1}' to {VERSION_NAME}",
+        )
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        normal = str(Version(version))
+    except InvalidVersion:
+        raise ManifestError(f"{VERSION_NAME} '{version}' is not a PEP 440 version", example) from None
+    if normal != version:
+        raise ManifestError(
+            f"{VERSION_NAME} '{version}' is not in PEP 440 normal form (packaging writes it '{normal}')",
+            f"write '{normal}' to {VERSION_NAME}",
         )
     if m.group("base") != upstream_version:
         raise ManifestError(
@@ -307,7 +331,29 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
 SERVE_MODES = ("given", "cpu-builds")
 
 
-def parse_profile(name: str, table: Any, origin: str = MANIFEST_NAME) -> Profile:
+def _profile_name(name: str, origin: str) -> str:
+    if not _PROFILE_NAME.match(name) or len(name) > 64:
+        raise ManifestError(
+            f"{origin}: profile name {name!r} is not a plain name",
+            "use letters, digits, '-', '_' and single dots (it names the report file), at most 64 characters",
+        )
+    return name
+
+
+# Prompt sets named in a profile: a built-in set's name, or a JSONL file relative to the checkout (never the cwd).
+_PROMPT_SET_NAME = re.compile(r"^@?[a-z0-9-]+$", re.ASCII)
+
+
+def _prompts(value: str, root: Path | None, where: str, origin: str) -> str:
+    if _PROMPT_SET_NAME.match(value):
+        return value  # a built-in set; the validator says which exist
+    if root is None:
+        raise ManifestError(f"{origin}: [{where}].prompts {value!r} is a path, but no checkout is known", "pass --root")
+    return str(confine_relative(root, value, f"{origin}: [{where}].prompts").resolve())
+
+
+def parse_profile(name: str, table: Any, origin: str = MANIFEST_NAME, root: Path | None = None) -> Profile:
+    _profile_name(name, origin)
     where = f"profiles.{name}"
     if not isinstance(table, Mapping):
         raise ManifestError(f"{origin}: [{where}] must be a table", f"fix [{where}]")
@@ -330,6 +376,8 @@ def parse_profile(name: str, table: Any, origin: str = MANIFEST_NAME) -> Profile
         if not all(isinstance(v, kinds) and not isinstance(v, bool) for v in table.get(key, [])):
             raise ManifestError(f"{origin}: [{where}].{key} has an entry of the wrong type", f"fix [{where}].{key}")
     values: dict[str, Any] = {k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in table.items()}
+    if "prompts" in values:
+        values["prompts"] = _prompts(values["prompts"], root, where, origin)
     profile = Profile(name=name, definition=dict(table), **values)
     if profile.concurrency < 1 or profile.max_tokens < 1 or profile.num_speculative_tokens < 1:
         raise ManifestError(
@@ -339,17 +387,25 @@ def parse_profile(name: str, table: Any, origin: str = MANIFEST_NAME) -> Profile
     return profile
 
 
-def parse_profiles(tables: Any, origin: str = MANIFEST_NAME) -> dict[str, Profile]:
+def parse_profiles(tables: Any, origin: str = MANIFEST_NAME, root: Path | None = None) -> dict[str, Profile]:
     if not isinstance(tables, Mapping):
         raise ManifestError(f"{origin}: [profiles] must be a table of tables", f"fix {origin}")
-    return {str(name): parse_profile(str(name), table, origin) for name, table in tables.items()}
+    return {str(name): parse_profile(str(name), table, origin, root) for name, table in tables.items()}
 
 
-def load_profile_file(path: Path) -> dict[str, Profile]:
-    """Profiles from a TOML file holding [profiles.NAME] tables (validate --profile-file)."""
+def load_profile_file(path: Path, root: Path | None = None) -> dict[str, Profile]:
+    """Profiles from a TOML file holding [profiles.NAME] tables (validate --profile-file). A `prompts` path in it is
+    relative to the checkout (`root`, default: the one holding the file, else the one found from the cwd)."""
     data = _read_toml(path)
     _check_keys(data, ("profiles",), "top level", str(path))
-    return parse_profiles(data.get("profiles", {}), str(path))
+    if root is None:
+        for start in (path.resolve().parent, None):
+            try:
+                root = find_root(start)
+                break
+            except ManifestError:
+                continue
+    return parse_profiles(data.get("profiles", {}), str(path), root)
 
 
 def _releases(data: Mapping[str, Any]) -> dict[str, Release]:
@@ -373,14 +429,18 @@ def _releases(data: Mapping[str, Any]) -> dict[str, Release]:
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    return _read_toml_text(path)[0]
+
+
+def _read_toml_text(path: Path) -> tuple[dict[str, Any], str]:
+    """The parsed TOML and its text, read once (a regular file under MANIFEST_LIMIT)."""
     try:
-        raw = path.read_bytes()
+        raw = read_bounded(path, MANIFEST_LIMIT, "TOML file", ManifestError, "pass the checkout's dist.toml")
     except FileNotFoundError:
         raise ManifestError(f"{path} does not exist", "run from a vllm-dflash checkout or pass --root") from None
-    except OSError as exc:
-        raise storage_error(exc, path, "read") from None
     try:
-        return tomllib.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        return tomllib.loads(text), text
     except UnicodeDecodeError as exc:
         raise ManifestError(f"{path} is not UTF-8 text (byte {exc.start})", "save it as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
@@ -429,7 +489,7 @@ def parse_manifest(data: Mapping[str, Any], version_text: str, root: Path, text:
     required = pub.get("required_profiles", [])
     if not isinstance(required, list) or not all(isinstance(n, str) for n in required):
         raise ManifestError("[publish].required_profiles must be a list of profile names", f"fix {MANIFEST_NAME}")
-    profiles = parse_profiles(data.get("profiles", {}))
+    profiles = parse_profiles(data.get("profiles", {}), root=root)
     unknown = [n for n in required if n not in profiles]
     if unknown:
         raise ManifestError(
@@ -476,17 +536,16 @@ def load_manifest(root: Path | None = None) -> Manifest:
     if not root.is_dir():
         raise ManifestError(f"--root {root} is not a directory", "pass the checkout that holds dist.toml")
     path = root / MANIFEST_NAME
-    data = _read_toml(path)
+    data, text = _read_toml_text(path)
     version_path = root / VERSION_NAME
+    hint = "write e.g. '0.20.1+dflash.1' to it"
     try:
-        version_text = version_path.read_bytes().decode("utf-8")
+        version_text = read_bounded(version_path, VERSION_LIMIT, VERSION_NAME, ManifestError, hint).decode("utf-8")
     except FileNotFoundError:
-        raise ManifestError(f"{version_path} does not exist", "write e.g. '0.20.1+dflash.1' to it") from None
+        raise ManifestError(f"{version_path} does not exist", hint) from None
     except UnicodeDecodeError:
-        raise ManifestError(f"{version_path} is not UTF-8 text", "write e.g. '0.20.1+dflash.1' to it") from None
-    except OSError as exc:
-        raise storage_error(exc, version_path, "read") from None
-    return parse_manifest(data, version_text, root, path.read_text(encoding="utf-8"))
+        raise ManifestError(f"{version_path} is not UTF-8 text", hint) from None
+    return parse_manifest(data, version_text, root, text)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,8 +1,12 @@
-"""Names that come from outside the code (manifest, index answers, series lines, CLI options) and the files we write.
+"""Names that come from outside the code (manifest, index answers, series lines, CLI options) and the files we read
+and write.
 
 Every such name is confined here, in one place, to the directory it belongs in: no separators, no `..`, no absolute
 paths, no symlink escape. Writes go through a temporary sibling and an atomic rename, so a killed process never
-leaves a half-written file under a final name.
+leaves a half-written file under a final name. Temporaries carry a mark no user file has by accident
+(`.vllm-dflash.<pid>.<random>.<name>.<kind>`), and only marked entries of dead processes are ever swept, only in
+directories the tool owns. Every file the tool reads goes through `read_bounded`: a regular file, under a stated
+size limit (a device, FIFO or a link to one never hangs a read or fills memory).
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -55,6 +61,180 @@ def confine_relative(base: Path, rel: str, what: str, error: type[DflashError] =
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Reading: regular files only, never more than a stated size
+
+KIB = 1 << 10
+MIB = 1 << 20
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _size(n: int) -> str:
+    return f"{n // MIB} MiB" if n >= MIB and n % MIB == 0 else f"{n // KIB} KiB" if n % KIB == 0 else f"{n} bytes"
+
+
+def open_regular(path: Path, what: str, error: type[DflashError] = StorageError, hint: str = "") -> int:
+    """A read-only descriptor of `path` when it is (or links to) a regular file; else one `error` line.
+
+    Opened non-blocking so a FIFO without a writer cannot hang the open; the type is checked on the descriptor, so
+    nothing swapped in between a check and the read is ever read. FileNotFoundError is the caller's to word.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror or exc}", hint or "check the path") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise error(f"{what} {path} is {_kind(mode)}, not a regular file", hint or "pass a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_bounded(path: Path, limit: int, what: str, error: type[DflashError] = StorageError, hint: str = "") -> bytes:
+    """The bytes of the regular file `path`, refusing (one `error` line, the limit stated) anything larger than
+    `limit` bytes. FileNotFoundError is left to the caller, which knows what a missing file means there."""
+    fd = open_regular(path, what, error, hint)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(limit + 1)
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror or exc}", hint or "check the path") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise error(
+            f"{what} {path} is larger than the {_size(limit)} limit for it",
+            hint or f"a {what} is never that large; pass the right file",
+        )
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Outputs, checked before any work
+
+_SYSTEM_DIRS = ("/etc", "/usr", "/proc", "/dev", "/sys", "/boot", "/bin", "/sbin", "/lib", "/lib64")
+
+
+def check_output_file(path: Path, what: str) -> Path:
+    """`path` when a result may be written there: absent, or a regular file (which the atomic rename replaces).
+
+    A device, FIFO, socket, directory or symlink at `path` is refused: the rename would replace it with a regular
+    file (as root, `/dev/full` would stop being a device), and none of those is ours to replace.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise storage_error(exc, path, f"check {what}") from None
+    if mode is not None and not stat.S_ISREG(mode):
+        raise StorageError(
+            f"{what} {path} exists and is {_kind(mode)}, not a regular file",
+            "name a new file or a regular file to replace; the tool never writes over anything else",
+        )
+    probe = path.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise StorageError(f"{what} {path}: {probe} is not a directory", "choose a path in a directory")
+    return path
+
+
+def check_output_dir(path: Path, what: str, probe_existing: bool = True) -> Path:
+    """`path` when a directory of results can be made or filled there; else one line, before any stage ran.
+
+    A directory that exists must be one (a symlink to one is followed); one that does not must be creatable: the
+    nearest existing ancestor gets a marked probe directory made and removed at once (`mkdir` is the only honest
+    test: /proc or a read-only mount say no only when asked).
+    """
+    if path.exists() and not path.is_dir():
+        kind = "a file" if path.is_file() else _kind(os.stat(path).st_mode)
+        raise StorageError(f"{what} {path} is {kind}, not a directory", "pass a directory")
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise StorageError(f"{what} {path}: {probe} is a file, not a directory", "choose a directory path")
+    if probe == path and not probe_existing:
+        return path
+    test = probe / _marked("probe", "tmp")
+    try:
+        os.mkdir(test)
+    except OSError as exc:  # name what would have been made: the first missing part (or `path` itself)
+        first = path if probe == path else probe / path.relative_to(probe).parts[0]
+        raise storage_error(exc, first, f"create {what}") from None
+    os.rmdir(test)
+    return path
+
+
+def is_system_dir(path: Path) -> str | None:
+    """The system directory (/etc, /usr, /proc, /dev, /sys, /boot, ...) `path` is or lies in, if any."""
+    resolved = str(path.resolve())
+    if resolved == "/":
+        return "/"
+    for d in _SYSTEM_DIRS:
+        if resolved == d or resolved.startswith(d + "/"):
+            return d
+    return None
+
+
+def local_destination(to: str, what: str = "--to", error: type[DflashError] = StorageError) -> Path | None:
+    """The directory a publish destination names (a path or a file:// URL), or None for an upload URL (http(s)).
+
+    Refused with one line, before any work: an empty value, `-`, a bare `file:`, a path whose parent does not
+    exist, one that is not a directory, and system directories (a `file:///etc` index is never what was meant).
+    """
+    from urllib.parse import unquote, urlparse
+
+    value = to.strip()
+    if value in ("", "-") or value.rstrip("/") in ("file:", "file:/"):
+        raise error(
+            f"{what} {to!r} names no directory",
+            "pass an index directory (e.g. ./index) or a file:///absolute/path URL",
+        )
+    parsed = urlparse(value)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            return None  # another host: the publisher's own check words it
+        if not parsed.path:
+            raise error(f"{what} {to!r} names no directory", "write file:///absolute/path")
+        path = Path(unquote(parsed.path))
+    elif parsed.scheme == "":
+        path = Path(value)
+    else:
+        return None  # an upload URL, or a scheme the publisher refuses itself
+    system = is_system_dir(path)
+    if system is not None:
+        raise error(f"{what} {to} is inside the system directory {system}", "publish into a directory of your own")
+    if path.exists():
+        if not path.is_dir():
+            raise error(f"{what} {to}: {path} is a file, not a directory", "choose a directory for the index")
+    elif path.parent.exists() and not path.parent.is_dir():
+        raise error(f"{what} {to}: {path.parent} is a file, not a directory", "choose a directory for the index")
+    elif not path.parent.is_dir():
+        raise error(
+            f"{what} {to}: neither {path} nor its parent {path.parent} is an existing directory",
+            "create the parent directory first, or choose an existing one",
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Writing
 
 
@@ -88,14 +268,27 @@ def ensure_dir(path: Path, what: str = "directory") -> Path:
     return path
 
 
+TEMP_PREFIX = ".vllm-dflash."
+_KINDS = ("tmp", "part", "unpack")
+
+
+def _marked(name: str, kind: str) -> str:
+    return f"{TEMP_PREFIX}{os.getpid()}.{secrets.token_hex(4)}.{name}.{kind}"
+
+
 def temp_sibling(path: Path, suffix: str = ".tmp") -> Path:
-    """A hidden name next to `path` that carries our pid, so a later run can tell a dead writer's leftovers."""
-    return path.with_name(f".{path.name}.{os.getpid()}{suffix}")
+    """A hidden name next to `path` carrying the project mark, our pid and a random part: no user file has it by
+    accident, two writers never share it, and a later run can tell a dead writer's leftovers."""
+    kind = suffix.lstrip(".")
+    if kind not in _KINDS:
+        raise ValueError(f"temporary kind {suffix!r}")
+    return path.with_name(_marked(path.name, kind))
 
 
 def fill_atomic(path: Path, fill: Callable[[Path], None]) -> None:
     """`fill` a temporary sibling of `path` (a function or a subprocess writing it), then rename it into place;
     nothing half-written keeps the name."""
+    check_output_file(path, "output")
     ensure_dir(path.parent)
     tmp = temp_sibling(path)
     try:
@@ -135,18 +328,17 @@ def copy_atomic(src: Path, dest: Path) -> None:
 def built_dir(dest: Path) -> Iterator[Path]:
     """A directory built under a temporary sibling name and renamed to `dest` when the block ends without error.
 
-    Yields the temporary path, not yet created (a caller may create it by renaming something there). A directory
-    already at `dest` is replaced; a killed build leaves only a hidden `.<name>.<pid>.tmp` that `sweep_stale`
-    removes later.
+    Yields the temporary path, not yet created (a caller may create it by renaming something there). Something
+    already at `dest` is never replaced: when another run put it there meanwhile (content-addressed caches), the
+    first writer wins and ours is dropped. A killed build leaves only a marked hidden temporary that `sweep_stale`
+    removes later where the tool owns the directory.
     """
     ensure_dir(dest.parent)
     tmp = temp_sibling(dest)
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
         yield tmp
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        if not os.path.lexists(dest):
+            os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -154,8 +346,14 @@ def built_dir(dest: Path) -> Iterator[Path]:
 # ---------------------------------------------------------------------------------------------------------------
 # Leftovers of dead processes
 
-# Only names we make (temp_sibling): `.<name>.<pid>.tmp|part|unpack`; nothing else in a directory is touched.
-_PID_IN_NAME = re.compile(r"^\..+\.(?P<pid>\d+)\.(?:tmp|part|unpack)$")
+# Only names we make (temp_sibling): `.vllm-dflash.<pid>.<8 hex>.<name>.tmp|part|unpack`; nothing else is touched.
+_MARKED = re.compile(r"^\.vllm-dflash\.(?P<pid>[1-9][0-9]{0,9})\.[0-9a-f]{8}\..+\.(?:tmp|part|unpack)$", re.ASCII)
+
+
+def temporary_pid(name: str) -> int | None:
+    """The writer's pid when `name` is one of our temporaries, else None."""
+    m = _MARKED.match(name)
+    return int(m.group("pid")) if m else None
 
 
 def pid_alive(pid: int) -> bool:
@@ -171,17 +369,18 @@ def pid_alive(pid: int) -> bool:
 
 
 def sweep_stale(directory: Path) -> list[Path]:
-    """Remove hidden temporaries (`.<name>.<pid>...`) in `directory` whose writing process is gone.
+    """Remove our marked temporaries in `directory` whose writing process is gone.
 
-    Our temporaries carry the writer's pid; a live writer's files are left alone, a dead one's can only be the
-    remains of a kill, and nothing ever trusts them. Returns what was removed.
+    Called only on directories the tool owns (the cache's, the checkout's default dist/), never on a directory a
+    user named (`--out`, `--dest`, `--to`). An entry must carry the mark *and* name a dead pid; a live writer's
+    files and every other name are left alone. Returns what was removed.
     """
     removed: list[Path] = []
     if not directory.is_dir():
         return removed
     for entry in directory.iterdir():
-        m = _PID_IN_NAME.match(entry.name)
-        if not m or pid_alive(int(m.group("pid"))):
+        pid = temporary_pid(entry.name)
+        if pid is None or pid_alive(pid):
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)

@@ -25,7 +25,7 @@ from vllm_dflash import report as reports
 from vllm_dflash.errors import ContainerError, DflashError, NetworkError, PublishRefusedError, ToolchainError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest
-from vllm_dflash.paths import copy_atomic
+from vllm_dflash.paths import copy_atomic, temp_sibling, write_text_atomic
 from vllm_dflash.release import layout
 from vllm_dflash.release.verify import VerifyOptions, VerifyResult, verify
 from vllm_dflash.report import ValidationReport
@@ -143,9 +143,7 @@ def normalize(name: str) -> str:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_text_atomic(path, text)
 
 
 def _page(title: str, links: list[tuple[str, str]]) -> str:
@@ -175,7 +173,7 @@ def publish_wheel_local(wheel: Path, root: Path) -> Path:
                 f"{dest} already exists with different content", "published files are immutable; bump the version"
             )
     else:
-        part = pdir / f".{wheel.name}.{os.getpid()}.part"
+        part = temp_sibling(pdir / wheel.name, ".part")
         try:
             shutil.copyfile(wheel, part)
             if sha256_file(part) != digest:

@@ -147,10 +147,15 @@ class ValidationReport:
         return f"failed gates {list(failed)}" if failed else f"error: {self.error}"
 
 
+REPORT_LIMIT = 64 << 20  # a report of thousands of prompts is a few MB
+
+
 def load(path: Path, key: bytes | None, error: type[DflashError], hint: str = "") -> ValidationReport:
     """Read a report and check its schema and seal; any problem is one `error` line (never another exception)."""
+    from vllm_dflash.paths import read_bounded
+
     try:
-        data = json.loads(path.read_bytes())
+        data = json.loads(read_bounded(path, REPORT_LIMIT, "report", error, hint))
     except OSError as exc:
         raise error(f"cannot read report {path}: {exc.strerror or exc}", hint) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

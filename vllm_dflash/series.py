@@ -14,12 +14,14 @@ from pathlib import Path, PurePosixPath
 
 from vllm_dflash import diff
 from vllm_dflash.errors import ManifestError, PatchError
-from vllm_dflash.paths import confine
+from vllm_dflash.paths import MIB, confine, read_bounded
 
 SERIES_NAME = "series"
 DEP3_KEYS = ("Description", "Subject", "Origin", "Forwarded", "Applied-Upstream", "Bug", "Last-Update", "Drop-When")
 # Paths that the wheel does not ship: a .py change there cannot affect the fast-path overlay.
 UNSHIPPED_PREFIXES = ("tests/", "docs/", "examples/", "benchmarks/")
+SERIES_LIMIT = 1 * MIB  # a list of file names
+PATCH_LIMIT = 16 * MIB  # our largest patch is 19 KB; git format-patch of a whole subsystem stays far below this
 _HEADER = re.compile(r"^(?P<key>[A-Z][A-Za-z0-9-]*):\s?(?P<value>.*)$")
 
 
@@ -167,9 +169,9 @@ _REWRITE = "regenerate it with `git format-patch`"
 def load_patch(path: Path, queue: str = "dflash") -> Patch:
     """Read and parse one patch file."""
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ManifestError(f"cannot read patch {path}: {exc.strerror or exc}", "fix the series file") from None
+        data = read_bounded(path, PATCH_LIMIT, "patch", ManifestError, "fix the series file")
+    except FileNotFoundError:
+        raise ManifestError(f"patch {path} does not exist", "add the patch file or remove its line") from None
     return parse_patch(path, data, queue)
 
 
@@ -196,10 +198,10 @@ def read_queue(series: Path, name: str = "dflash", missing_ok: bool = True) -> Q
             return Queue(name=name, series=series, patches=())
         raise ManifestError(f"{series} does not exist", "create it (it may be empty: no patches)")
     try:
-        raw = series.read_bytes()
+        raw = read_bounded(series, SERIES_LIMIT, "series file", ManifestError, "list one patch file name per line")
         text = raw.decode("utf-8")
-    except OSError as exc:
-        raise ManifestError(f"cannot read {series}: {exc.strerror or exc}", "check the file") from None
+    except FileNotFoundError:
+        raise ManifestError(f"{series} does not exist", "create it (it may be empty: no patches)") from None
     except UnicodeDecodeError:
         raise ManifestError(f"{series} is not UTF-8 text", "list one patch file name per line") from None
     patches: list[Patch] = []
@@ -232,7 +234,15 @@ class Queues:
     cpu: Queue
 
     def for_build(self, variant: str, cpu_base: bool) -> tuple[Patch, ...]:
-        """The patches a build applies, in order: ours unless it is the stock build, then the CPU fixes on CPU."""
+        """The patches a build applies, in order: ours unless it is the stock build, then the CPU fixes on CPU.
+
+        A DFlash-labelled build needs at least one DFlash patch: an empty (or comment-only) series would ship stock
+        code under our label."""
+        if variant == "dflash" and not self.dflash.patches:
+            raise ManifestError(
+                f"{self.dflash.series} lists no patch: the queue is empty",
+                "use --stock for a build without our patches, or list the DFlash patches in the series file",
+            )
         return (self.dflash.patches if variant == "dflash" else ()) + (self.cpu.patches if cpu_base else ())
 
 

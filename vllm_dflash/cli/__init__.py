@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from vllm_dflash import __version__
 from vllm_dflash.cli import build, conformance, image, publish, release, upstream, validate
+from vllm_dflash.cli.common import check_outputs
 from vllm_dflash.errors import DflashError
 
 # Sub-command groups in the order `--help` lists them.
@@ -28,10 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+INTERRUPTED = "error: interrupted -- nothing half-written was kept; run the command again"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        check_outputs(args)
         code: int = args.func(args)
         return code
     except DflashError as exc:
@@ -40,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(exc.one_line(), file=sys.stderr)
         return exc.return_code
     except KeyboardInterrupt:
-        print("error: interrupted -- nothing half-written was kept; run the command again", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         return 130
     except OSError as exc:  # an I/O fault no stage turned into its own error: still one line, never a traceback
         from vllm_dflash.paths import storage_error

@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_dflash.errors import ManifestError, StorageError, UnsupportedModeError
+from vllm_dflash.errors import ManifestError, UnsupportedModeError
 from vllm_dflash.fetch import fetch
 from vllm_dflash.manifest import MACHINES, Manifest
-from vllm_dflash.paths import ensure_dir, temp_sibling
+from vllm_dflash.paths import check_output_dir, ensure_dir, sweep_stale, temp_sibling
 from vllm_dflash.pipeline import fullbuild, source
 from vllm_dflash.pipeline.model import MODES, SOURCE_KINDS, VARIANTS, PatchedTree, WheelResult
 from vllm_dflash.pipeline.patches import apply_series
@@ -73,8 +73,8 @@ def _check_options(options: BuildOptions) -> None:
             raise ManifestError(f"unknown platform '{plat}'", f"use one of {', '.join(MACHINES)} or 'all'")
     if options.base not in BASES and not Path(options.base).is_file():
         raise ManifestError(f"--base-wheel {options.base}: no such file", "pass a wheel path, 'upstream' or 'cpu'")
-    if options.out_dir is not None and options.out_dir.exists() and not options.out_dir.is_dir():
-        raise StorageError(f"--out {options.out_dir} is a file, not a directory", "pass a directory")
+    if options.out_dir is not None:
+        check_output_dir(options.out_dir, "--out")  # before the first stage: /proc/x, a file, a read-only mount
 
 
 def _bases(manifest: Manifest, options: BuildOptions) -> _Bases:
@@ -133,7 +133,12 @@ def build(manifest: Manifest, queues: Queues, options: BuildOptions) -> BuildRes
     choice = fullbuild.choose_mode(patches, bases.available, options.mode)
     platforms = _platforms_for(choice.mode, bases, options)
     print(f"build mode: {choice.mode} ({choice.reason})", flush=True)
+    if choice.mode == "full" and options.mode != "full":
+        fullbuild.preflight("full")  # auto chose the full build: its toolchain is checked before any stage, too
     out_dir = options.out_dir or manifest.dist_dir
+    if options.out_dir is None:
+        check_output_dir(out_dir, "output directory")
+        sweep_stale(out_dir)  # the checkout's dist/ is the tool's: dead builds' temporaries go; --out never is
     created = not out_dir.exists()
     results: list[WheelResult] = []
     try:
@@ -184,6 +189,7 @@ def cached_build(manifest: Manifest, queues: Queues, base: str, variant: str, ca
     out = ensure_dir(cache / "wheels") / f"{base}-{variant}-{_build_key(manifest, queues, base, variant)}"
     with (out.parent / ".build.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent runs share the private tree and the wheel cache
+        sweep_stale(out.parent)  # the cache's own: a killed build's marked temporary
         done = sorted(out.glob("*.whl")) if out.is_dir() else []
         if done:
             return done[0]

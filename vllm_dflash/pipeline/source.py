@@ -136,9 +136,10 @@ def _checkout_base(path: Path, kind: str, version: str, commit: str, owned: bool
         repo = git.Repo(path)
         base = repo.git.rev_parse(f"{BASE_TAG}^{{commit}}")
     except (git.InvalidGitRepositoryError, git.NoSuchPathError, git.GitCommandError):
+        # Not a tree we made: never suggest deleting it (it may be `/`, a home directory, somebody's work).
         raise DirtyTreeError(
-            f"{path} exists but is not a tree prepared by vllm-dflash (no '{BASE_TAG}' tag)",
-            f"delete {path} or choose another --dest",
+            f"{path} exists but is not a tree prepared by vllm-dflash (no '{BASE_TAG}' tag); it is left alone",
+            "choose a --dest that does not exist yet (vllm-dflash creates it) or one it prepared earlier",
         ) from None
     if owned:
         _reset_owned(path)
@@ -186,7 +187,8 @@ def release_tree(version: str, sdist: Artifact, commit: str | None, dest: Path, 
             "the sdist is another build of the release; fix the pin or the sdist entry in dist.toml",
         )
     ensure_dir(dest.parent)
-    sweep_stale(dest.parent)  # half-unpacked trees of killed runs: never trusted, removed here
+    if owned:
+        sweep_stale(dest.parent)  # half-unpacked trees of killed runs in the cache; a user's --dest parent: never
     if dest.exists():
         tree = _checkout_base(dest, "sdist", version, recorded, owned)
         import git
@@ -290,7 +292,8 @@ def git_tree(manifest: Manifest, dest: Path, owned: bool = True) -> SourceTree:
             "the tag moved or the pin is wrong; check upstream.commit in dist.toml",
         )
     ensure_dir(dest.parent)
-    sweep_stale(dest.parent)
+    if owned:
+        sweep_stale(dest.parent)  # the cache's own trees directory only
     if dest.exists():
         tree = _checkout_base(dest, "git", up.version, sha, owned)
         if tree.base != sha:

@@ -21,7 +21,7 @@ from vllm_dflash import provenance as prov
 from vllm_dflash.errors import HashMismatchError, ManifestError, PinMismatchError, UnsupportedModeError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest
-from vllm_dflash.paths import ensure_dir, storage_error, sweep_stale, temp_sibling
+from vllm_dflash.paths import ensure_dir, storage_error, temp_sibling
 from vllm_dflash.pipeline.model import (
     COMMIT_ID,
     PatchedTree,
@@ -184,14 +184,12 @@ def build_fast_wheel(
     out_name = f"{dist}-{version}-{tags}.whl"
     new_dist_info = f"{dist}-{version}.dist-info"
 
-    ensure_dir(out_dir, "output directory")
-    sweep_stale(out_dir)  # temporaries of killed builds
+    ensure_dir(out_dir, "output directory")  # never swept here: it may be the user's (--out); build() sweeps dist/
     # A hidden temp dir next to the target (same file system → atomic rename); the name inside must be a valid
     # wheel file name for the verifier.
     final = out_dir / out_name
     tmp_dir = temp_sibling(final)
     tmp = tmp_dir / out_name
-    shutil.rmtree(tmp_dir, ignore_errors=True)
     try:
         tmp_dir.mkdir()
     except OSError as exc:

@@ -58,11 +58,20 @@ class SigningKey:
         return key_id(self.public)
 
 
-def load_private_key(path: Path, password: bytes | None = None, error: type[DflashError] = DflashError) -> SigningKey:
+KEY_LIMIT = 64 * 1024  # an Ed25519 PEM is ~120 bytes; anything near this is no key
+
+
+def _read_key(path: Path, what: str, error: type[DflashError]) -> bytes:
+    from vllm_dflash.paths import read_bounded
+
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise error(f"cannot read signing key {path}: {exc.strerror or exc}", _KEY_HINT) from None
+        return read_bounded(path, KEY_LIMIT, what, error, _KEY_HINT)
+    except FileNotFoundError:
+        raise error(f"cannot read {what} {path}: it does not exist", _KEY_HINT) from None
+
+
+def load_private_key(path: Path, password: bytes | None = None, error: type[DflashError] = DflashError) -> SigningKey:
+    data = _read_key(path, "signing key", error)
     try:
         key = serialization.load_pem_private_key(data, password=password)
     except (ValueError, TypeError) as exc:
@@ -83,10 +92,7 @@ def parse_public_key(data: bytes, where: str, error: type[DflashError] = VerifyE
 
 
 def load_public_key(path: Path, error: type[DflashError] = VerifyError) -> Ed25519PublicKey:
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise error(f"cannot read public key {path}: {exc.strerror or exc}", _KEY_HINT) from None
+    data = _read_key(path, "public key", error)
     return parse_public_key(data, str(path), error)
 
 

@@ -19,7 +19,7 @@ from vllm_dflash import report as reports
 from vllm_dflash.errors import DflashError, ProvenanceError, StorageError, VerifyError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest
-from vllm_dflash.paths import copy_atomic, ensure_dir, storage_error, sweep_stale, temp_sibling, write_bytes_atomic
+from vllm_dflash.paths import copy_atomic, ensure_dir, storage_error, temp_sibling, temporary_pid, write_bytes_atomic
 from vllm_dflash.release import dsse, layout
 from vllm_dflash.release.facts import SourceMaterial, WheelFacts, read_facts, source_material
 from vllm_dflash.release.notes import AttachedReport, ImageRef, release_notes
@@ -180,12 +180,11 @@ def make_release(
         docs[layout.PUBLIC_KEY] = dsse.public_pem(key.public)
 
     # The directory: only an earlier release of these same wheels may be in the way (it is replaced).
-    ensure_dir(out_dir, "release directory")
-    sweep_stale(out_dir)
+    ensure_dir(out_dir, "release directory")  # never swept: it may be the user's; a dead run's temporary is skipped
     ours = set(docs) | {f.filename for f in facts} | {layout.SUMS, layout.SUMS_ENVELOPE}
     stale: list[Path] = []
     for entry in sorted(out_dir.iterdir()):
-        if entry.name in ours:
+        if entry.name in ours or temporary_pid(entry.name) is not None:
             continue
         member = layout.classify(entry.name)
         if member is None or member.kind is layout.Kind.WHEEL or not entry.is_file() or entry.is_symlink():

@@ -81,6 +81,9 @@ class VerifyResult:
         return f"{what} {self.directory} verified: {len(self.files)} files, {wheels}; {sig}"
 
 
+RELEASE_DOC_LIMIT = 256 << 20  # a release's documents (SBOM, statements, notes, sums) are KBs; wheels are hashed
+
+
 def _one_line(exc: VerifyError) -> VerifyError:
     if "\n" not in exc.message and "\n" not in exc.hint:
         return exc
@@ -88,8 +91,10 @@ def _one_line(exc: VerifyError) -> VerifyError:
 
 
 def _read(path: Path) -> bytes:
+    from vllm_dflash.paths import read_bounded
+
     try:
-        return path.read_bytes()
+        return read_bounded(path, RELEASE_DOC_LIMIT, path.name, VerifyError, _RESTORE)
     except OSError as exc:
         raise VerifyError(f"{path.name}: cannot read it ({exc.strerror or exc})", _RESTORE) from None
 
@@ -170,7 +175,7 @@ def _verify(target: Path, options: VerifyOptions) -> VerifyResult:
     # 2. Every file's sha256.
     checked: list[str] = [layout.SUMS, *([layout.SUMS_ENVELOPE] if key is not None else [])]
     for name in sorted(wanted & present):
-        got = sha256_file(directory / name)
+        got = sha256_file(directory / name, VerifyError)
         if got != listed[name]:
             raise VerifyError(
                 f"{name}: sha256 {got[:16]}… but {layout.SUMS} lists {listed[name][:16]}… (one of them was altered)",

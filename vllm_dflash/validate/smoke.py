@@ -93,6 +93,9 @@ def _humaneval() -> list[Prompt]:
     ]
 
 
+PROMPTS_LIMIT = 256 << 20  # JSONL prompt files (humaneval is 200 KB)
+
+
 def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
     """A named set (coding, math, chat, mixed, humaneval) or a JSONL file path."""
     if name in BUILTIN_SETS:
@@ -115,7 +118,10 @@ def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
                 f"prompt set '{name}' is neither a known set nor a file",
                 f"use one of {[*BUILTIN_SETS, 'mixed', 'humaneval']} or a JSONL path",
             )
-        prompts = _read_jsonl(path.read_text().splitlines(), str(path))
+        from vllm_dflash.paths import read_bounded
+
+        data = read_bounded(path, PROMPTS_LIMIT, "prompt file", ManifestError, "pass a JSONL prompt file")
+        prompts = _read_jsonl(data.decode("utf-8", "replace").splitlines(), str(path))
     return prompts[:limit] if limit else prompts
 
 
