@@ -34,6 +34,7 @@ HEAVY_FIXTURES = frozenset(
         "ref_python",
         "cpu_python",
         "podman_store",
+        "both_wheels",
         "dflash_wheel",
         "base_wheel",
         "built",

@@ -25,12 +25,13 @@ from pathlib import Path
 import pytest
 
 from vllm_dflash import provenance as prov
-from vllm_dflash.errors import ContainerError
+from vllm_dflash.errors import ContainerError, VerifyError
 from vllm_dflash.fetch import cache_dir, fetch
 from vllm_dflash.manifest import Manifest, load_manifest
 from vllm_dflash.pipeline import image as img
 from vllm_dflash.pipeline.build import BuildOptions, build
 from vllm_dflash.pipeline.wheelfile import add_files
+from vllm_dflash.release import ImageRef, ReleaseOptions, layout, make_release, verify
 from vllm_dflash.series import read_queue, read_queues
 
 REPO = Path(__file__).resolve().parents[1]
@@ -627,3 +628,82 @@ def test_image_index_lists_both_platforms(
     swapped = [replace(results[0], manifest_digest=results[1].manifest_digest), results[1]]
     with pytest.raises(ContainerError, match="not the images just built"):
         img.image_index("podman", opts, "localhost/vllm-dflash-test-all:recheck", swapped)
+
+
+# --------------------------------------------------------------------------------------- images in a release
+def _resum(directory: Path) -> None:
+    """Rewrite SHA256SUMS over the files as they are now: an altered file then passes the checksum step, so what
+    refuses it is the image check itself."""
+    names = [p.name for p in directory.iterdir() if p.name != layout.SUMS]
+    digests = {n: hashlib.sha256((directory / n).read_bytes()).hexdigest() for n in names}
+    (directory / layout.SUMS).write_bytes(layout.format_sums(digests))
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_release_names_both_platform_images(both_wheels: dict[str, Path], manifest: Manifest, tmp_path: Path) -> None:
+    """`release --image` per platform (and the index): images.json binds each image to its platform's wheel, the
+    notes name each by digest, and verify checks both; a release that names them wrongly is refused."""
+    repo = "registry.example.com/ml/vllm-dflash"
+    digests = {"x86_64": "sha256:" + "a1" * 32, "aarch64": "sha256:" + "b2" * 32, "index": "sha256:" + "c3" * 32}
+    images = (
+        ImageRef(repo, digests["x86_64"], "x86_64"),
+        ImageRef(repo, digests["aarch64"], "aarch64"),
+        ImageRef(repo, digests["index"], None),
+    )
+    wheels = [both_wheels["x86_64"], both_wheels["aarch64"]]
+    rel = make_release(manifest, wheels, tmp_path / "rel", ReleaseOptions(images=images, link=False))
+    doc = json.loads((rel.directory / layout.IMAGES).read_text())
+    by_platform = {e["platform"]: e for e in doc["images"]}
+    for machine in ("x86_64", "aarch64"):
+        wheel = both_wheels[machine]
+        assert by_platform[machine]["digest"] == digests[machine]
+        assert by_platform[machine]["wheel"] == wheel.name
+        assert by_platform[machine]["wheel_sha256"] == hashlib.sha256(wheel.read_bytes()).hexdigest()
+    notes = rel.notes.read_text()
+    assert all(f"{repo}@{d}" in notes for d in digests.values())
+    result = verify(rel.directory)
+    assert sorted((i.platform or "", i.digest) for i in result.images) == sorted(
+        (k if k != "index" else "", d) for k, d in digests.items()
+    )
+    assert "; images index " + "c3" * 6 + "…" in result.summary()
+
+    # Refused at release time: an image for a platform whose wheel is not released, two for one platform.
+    with pytest.raises(VerifyError, match="has no aarch64 wheel"):
+        make_release(manifest, wheels[:1], tmp_path / "r1", ReleaseOptions(images=images[:2]))
+    twice = (*images, ImageRef(repo, "sha256:" + "d4" * 32, "aarch64"))
+    with pytest.raises(VerifyError, match="two images for the aarch64 platform"):
+        make_release(manifest, wheels, tmp_path / "r2", ReleaseOptions(images=twice))
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+
+    # Refused by verify, with SHA256SUMS made to match (an unsigned release re-summed by someone else).
+    def altered(name: str, edit: object) -> Path:
+        d = tmp_path / name
+        shutil.copytree(rel.directory, d)
+        assert callable(edit)
+        edit(d)
+        _resum(d)
+        return d
+
+    def swap_wheels(d: Path) -> None:  # the aarch64 image claims the x86_64 wheel
+        text = (d / layout.IMAGES).read_text()
+        x86 = by_platform["x86_64"]
+        arm = by_platform["aarch64"]
+        text = text.replace(arm["wheel"], x86["wheel"]).replace(arm["wheel_sha256"], x86["wheel_sha256"])
+        (d / layout.IMAGES).write_text(text)
+
+    def drop_from_notes(d: Path) -> None:
+        (d / layout.NOTES).write_text((d / layout.NOTES).read_text().replace(digests["aarch64"], digests["x86_64"]))
+
+    def other_digest(d: Path) -> None:  # the image list names an image the notes do not
+        (d / layout.IMAGES).write_text((d / layout.IMAGES).read_text().replace("b2" * 32, "e5" * 32))
+
+    for name, edit, phrase in (
+        ("swapped", swap_wheels, "not this release's aarch64 wheel"),
+        ("notes", drop_from_notes, f"do not name {repo}@{digests['aarch64']}"),
+        ("digest", other_digest, "do not name"),
+    ):
+        with pytest.raises(VerifyError, match=re.escape(phrase)):
+            verify(altered(name, edit))
+    # The same alteration machinery, with no alteration: verifies (the refusals above are the image check's).
+    assert verify(altered("unchanged", lambda d: None)).images == result.images
