@@ -538,6 +538,7 @@ class AllPlatforms:
     index: str
     seconds: float
     stdout: str
+    release_args: list[str]  # the `--image REPO@DIGEST=PLATFORM` lines the CLI printed for `release`
 
 
 @pytest.fixture(scope="module")
@@ -574,9 +575,14 @@ def all_platforms(
         assert lines[at + 3] == f"release: --image {repo}@{manifests[machine]}={machine}"
     assert lines[-2] == tag and lines[-1].startswith("index over "), res.stdout
     tags = {machine: f"{tag}-{machine}" for machine in ("x86_64", "aarch64")}
-    timing = {"image_all_seconds": round(seconds, 1)}
+    timing: dict[str, float] = {"image_all_seconds": round(seconds, 1)}
+    for m in re.finditer(r"^built \S+-(x86_64|aarch64) with podman in (\d+) s$", res.stderr, re.M):
+        timing[f"build_{m.group(1)}_seconds"] = float(m.group(2))
     (cache_dir() / "image-all-proof.json").write_text(json.dumps(timing, indent=2))
-    return AllPlatforms(tags=tags, manifests=manifests, index=tag, seconds=seconds, stdout=res.stdout)
+    releases = [line.removeprefix("release: ") for line in lines if line.startswith("release: --image ")]
+    return AllPlatforms(
+        tags=tags, manifests=manifests, index=tag, seconds=seconds, stdout=res.stdout, release_args=releases
+    )
 
 
 def _inspect(prefix: list[str], ref: str) -> dict[str, object]:
@@ -737,3 +743,35 @@ def test_release_names_both_platform_images(both_wheels: dict[str, Path], manife
             verify(altered(name, edit))
     # The same alteration machinery, with no alteration: verifies (the refusals above are the image check's).
     assert verify(altered("unchanged", lambda d: None)).images == result.images
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_release_names_the_built_images(
+    all_platforms: AllPlatforms, both_wheels: dict[str, Path], manifest: Manifest, tmp_path: Path
+) -> None:
+    """`release` with the `--image` arguments `image --platform all` printed names both images by their manifest
+    digests, bound to their wheels, and `verify` checks them; the same aarch64 image claimed for x86_64 too is
+    refused (two images for one platform) in one line, exit 17."""
+    args = [part for line in all_platforms.release_args for part in line.split(" ", 1)]
+    assert len(args) == 4, all_platforms.stdout
+    wheels = [str(both_wheels["x86_64"]), str(both_wheels["aarch64"])]
+    cli = [sys.executable, "-m", "vllm_dflash", "--root", str(manifest.root)]
+    out = tmp_path / "release"
+    made = subprocess.run(
+        [*cli, "release", *wheels, "--out", str(out), "--copy", *args], capture_output=True, text=True
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    doc = json.loads((out / layout.IMAGES).read_text())
+    assert {e["platform"]: e["digest"] for e in doc["images"]} == all_platforms.manifests
+    checked = subprocess.run([*cli, "verify", str(out)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    for machine, digest in all_platforms.manifests.items():
+        assert f"{machine} {digest[7:19]}…" in checked.stdout
+    arm = next(a for a in args if a.endswith("=aarch64"))
+    twice = [*args, "--image", arm.replace("=aarch64", "=x86_64")]
+    bad = subprocess.run(
+        [*cli, "release", *wheels, "--out", str(tmp_path / "bad"), *twice], capture_output=True, text=True
+    )
+    assert bad.returncode == VerifyError.return_code and "two images for the x86_64 platform" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()
