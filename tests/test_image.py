@@ -758,9 +758,7 @@ def test_release_names_the_built_images(
     wheels = [str(both_wheels["x86_64"]), str(both_wheels["aarch64"])]
     cli = [sys.executable, "-m", "vllm_dflash", "--root", str(manifest.root)]
     out = tmp_path / "release"
-    made = subprocess.run(
-        [*cli, "release", *wheels, "--out", str(out), "--copy", *args], capture_output=True, text=True
-    )
+    made = subprocess.run([*cli, "release", *wheels, "--out", str(out), *args], capture_output=True, text=True)
     assert made.returncode == 0, made.stderr[-2000:]
     doc = json.loads((out / layout.IMAGES).read_text())
     assert {e["platform"]: e["digest"] for e in doc["images"]} == all_platforms.manifests
