@@ -34,6 +34,7 @@ HEAVY_FIXTURES = frozenset(
         "ref_python",
         "cpu_python",
         "podman_store",
+        "both_wheels",
         "dflash_wheel",
         "base_wheel",
         "built",
@@ -44,12 +45,17 @@ HEAVY_FIXTURES = frozenset(
 
 # Tests that build or run container images (podman, buildah, debootstrap, runc): marker `containers`, the ones
 # `VLLM_DFLASH_SKIP_CONTAINER_TESTS=1 scripts/test` leaves out where those tools cannot be installed.
-CONTAINER_FIXTURES = frozenset({"podman_store"})
+CONTAINER_FIXTURES = frozenset({"podman_store", "emulated_store"})
+# Tests that build or run the other platform's image under qemu (marker `emulation`, also `containers`): what
+# `VLLM_DFLASH_SKIP_EMULATION_TESTS=1 scripts/test` leaves out where no binfmt_misc handler can be registered.
+EMULATION_FIXTURES = frozenset({"emulated_store"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         uses = set(getattr(item, "fixturenames", ()))
+        if uses & EMULATION_FIXTURES:
+            item.add_marker(pytest.mark.emulation)
         if uses & CONTAINER_FIXTURES:
             item.add_marker(pytest.mark.containers)
         if uses & HEAVY_FIXTURES or item.get_closest_marker("containers") is not None:

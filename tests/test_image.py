@@ -19,18 +19,19 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
 from vllm_dflash import provenance as prov
-from vllm_dflash.errors import ContainerError
+from vllm_dflash.errors import ContainerError, VerifyError
 from vllm_dflash.fetch import cache_dir, fetch
 from vllm_dflash.manifest import Manifest, load_manifest
 from vllm_dflash.pipeline import image as img
 from vllm_dflash.pipeline.build import BuildOptions, build
 from vllm_dflash.pipeline.wheelfile import add_files
+from vllm_dflash.release import ImageRef, ReleaseOptions, layout, make_release, verify
 from vllm_dflash.series import read_queue, read_queues
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,6 +155,48 @@ def test_build_image_refuses_other_version_and_target(tmp_path: Path, manifest: 
         img.pick_tool("nerdctl")
 
 
+def _binfmt(tmp_path: Path, text: str | None) -> Path:
+    """A binfmt_misc folder of our own, with the other platform's handler written as the kernel shows it (or none)."""
+    d = tmp_path / "binfmt_misc"
+    d.mkdir(exist_ok=True)
+    entry = d / f"qemu-{FOREIGN}"
+    entry.unlink(missing_ok=True)
+    if text is not None:
+        entry.write_text(text)
+    return d
+
+
+def test_emulation_check_needs_an_enabled_handler_with_flag_f(tmp_path: Path) -> None:
+    interp = f"interpreter /usr/libexec/qemu-binfmt/{FOREIGN}-binfmt-P\n"
+    ok = f"enabled\n{interp}flags: PF\noffset 0\n"
+    assert img.can_build_for(FOREIGN, _binfmt(tmp_path, ok)) is None
+    assert img.can_build_for(HOST, _binfmt(tmp_path, None)) is None  # the host's own platform needs nothing
+    for text, phrase in (
+        (None, "no qemu-.* binfmt_misc handler is registered"),
+        (ok.replace("enabled", "disabled"), "handler is disabled"),
+        (ok.replace("flags: PF", "flags: P"), "lacks flag F"),
+        (f"enabled\n{interp}offset 0\n", "lacks flag F"),
+    ):
+        why = img.can_build_for(FOREIGN, _binfmt(tmp_path, text))
+        assert why is not None and re.search(phrase, why), why
+
+
+def test_foreign_platform_refused_with_the_handler_hidden(tmp_path: Path, manifest: Manifest) -> None:
+    """Whatever this machine has registered, an empty VLLM_DFLASH_BINFMT_DIR hides it: the other platform's image
+    is refused in one line (exit 11); with a usable handler in that folder the same command gets past the check
+    (and stops at the next thing missing: the wheel)."""
+    m = _fake_checkout(tmp_path, manifest)
+    env = {**os.environ, img.BINFMT_DIR_ENV: str(_binfmt(tmp_path, None))}
+    cmd = [sys.executable, "-m", "vllm_dflash", "--root", str(m.root), "image", "--tool", "podman"]
+    res = subprocess.run([*cmd, "--platform", FOREIGN], env=env, capture_output=True, text=True, check=False)
+    assert res.returncode == ContainerError.return_code, res.stderr
+    assert res.stderr.startswith(f"error: cannot build the {FOREIGN} image: ") and len(res.stderr.splitlines()) == 1
+    assert "binfmt_misc handler is registered" in res.stderr and "qemu-user-static" in res.stderr
+    _binfmt(tmp_path, "enabled\nflags: PF\n")
+    res = subprocess.run([*cmd, "--platform", FOREIGN], env=env, capture_output=True, text=True, check=False)
+    assert res.returncode == ContainerError.return_code and f"no wheel of vllm {m.version} for {FOREIGN}" in res.stderr
+
+
 def _labels(manifest: Manifest) -> img.ImageLabels:
     return img.ImageLabels(
         version=manifest.version,
@@ -197,7 +240,14 @@ RUN_FLAGS = (
     "--ulimit",
     "nproc=4096:4096",
 )
-BASE_TARBALL = "debian-bookworm-minbase-python3.tar.gz"
+# Debian's name of each machine, and the cached debootstrap base for it (the x86_64 name predates the arm64 one).
+DEBIAN_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}
+BASE_TARBALL = {
+    "amd64": "debian-bookworm-minbase-python3.tar.gz",
+    "arm64": "debian-bookworm-minbase-python3-arm64.tar.gz",
+}
+HOST = "aarch64" if platform.machine() in ("aarch64", "arm64") else platform.machine()
+FOREIGN = "x86_64" if HOST == "aarch64" else "aarch64"
 
 # Run inside the image: sha256 of every file the wheel ships, as installed, plus the installed version and the
 # console script the entrypoint runs.
@@ -211,7 +261,8 @@ for rel in expected:
     p = root / rel
     got[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
 exe = shutil.which("vllm")
-print(json.dumps({"version": dist.version, "files": got, "vllm_script": exe,
+import platform
+print(json.dumps({"version": dist.version, "files": got, "vllm_script": exe, "machine": platform.machine(),
                   "script": open(exe).read() if exe else ""}))
 """
 
@@ -226,6 +277,42 @@ def _wheel_hashes(wheel: Path) -> dict[str, str]:
     return out
 
 
+def _check_inside(prefix: list[str], tag: str, wheel: Path, upstream_wheel: Path, tmp: Path) -> dict[str, object]:
+    """Run the image and check that the installed vllm is `wheel`, file for file, with the `vllm` console script the
+    entrypoint runs; and, as a control, that upstream's wheel of the same platform does not match (vllm/_version.py
+    differs at least, since it carries our version). Returns what the image said."""
+    ours = _wheel_hashes(wheel)
+    upstream = _wheel_hashes(upstream_wheel)
+    check = tmp / "check"
+    check.mkdir()
+    (check / "check.py").write_text(CHECK_SCRIPT)
+    (check / "ours.json").write_text(json.dumps(ours))
+    (check / "upstream.json").write_text(json.dumps(upstream))
+
+    def inside(expected: str) -> dict[str, object]:
+        cmd = [*prefix, "run", *PODMAN_RUN, *RUN_FLAGS, "-v", f"{check}:/check:ro", "--entrypoint", "python3", tag]
+        res = subprocess.run(
+            [*cmd, "/check/check.py", f"/check/{expected}"], check=True, capture_output=True, text=True
+        )
+        data: dict[str, object] = json.loads(res.stdout.strip().splitlines()[-1])
+        return data
+
+    got = inside("ours.json")
+    files = got["files"]
+    assert isinstance(files, dict)
+    mismatched = sorted(k for k, v in ours.items() if files.get(k) != v)
+    assert not mismatched, f"{len(mismatched)} installed files differ from the wheel, e.g. {mismatched[:5]}"
+    assert len(files) == len(ours) > 1000
+    assert got["vllm_script"] and "vllm.entrypoints.cli.main" in str(got["script"])
+
+    control = inside("upstream.json")
+    cfiles = control["files"]
+    assert isinstance(cfiles, dict)
+    differ = sorted(k for k, v in upstream.items() if cfiles.get(k) != v)
+    assert "vllm/_version.py" in differ
+    return got
+
+
 def _require_container_tools() -> None:
     if os.geteuid() != 0:
         pytest.skip("podman with vfs storage and runc needs root here (CI runs as root)")
@@ -233,23 +320,57 @@ def _require_container_tools() -> None:
     assert not missing, f"{missing} missing: .ci/run installs them (apt-get install podman buildah debootstrap runc)"
 
 
-def _base_tarball() -> Path:
-    """A minimal Debian bookworm with python3 and pip, made with debootstrap once and cached (~60-110 s)."""
+def _foreign_rootfs(debootstrap: list[str], rootfs: Path, arch: str) -> None:
+    """The other platform's base, fast: debootstrap's first stage (--foreign: the required packages unpacked by the
+    host's tools), the rest of the downloaded packages unpacked natively too, then python3 run under qemu to prove
+    the result. The second stage would run dpkg and every package script under qemu: 1186 s here, against ~2 min
+    this way. Python and pip need only the files; /etc/passwd and /etc/group are what base-passwd would write."""
+    cmd = [debootstrap[0], "--foreign", *debootstrap[1:]]
+    print("+ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    debs = sorted((rootfs / "var/cache/apt/archives").glob("*.deb"))
+    assert any(d.name.startswith("python3-pip_") for d in debs), [d.name for d in debs]
+    print(f"+ dpkg-deb -x <each of {len(debs)} {arch} packages> {rootfs}", flush=True)
+    for deb in debs:
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(rootfs)], check=True)
+        deb.unlink()
+    for name in ("passwd", "group"):
+        if not (rootfs / "etc" / name).exists():
+            shutil.copyfile(rootfs / "usr/share/base-passwd" / f"{name}.master", rootfs / "etc" / name)
+    if (rootfs / "proc").is_symlink():  # the first stage links it to the host's /proc; a container mounts its own
+        (rootfs / "proc").unlink()
+        (rootfs / "proc").mkdir()
+    shutil.rmtree(rootfs / "debootstrap")
+    subprocess.run(["chroot", str(rootfs), "/sbin/ldconfig"], check=True)
+    probe = "import pip, platform; print(platform.machine())"
+    out = subprocess.run(["chroot", str(rootfs), "/usr/bin/python3", "-c", probe], check=True, capture_output=True)
+    assert out.stdout.decode().strip() == FOREIGN, out
+
+
+def _base_tarball(arch: str = DEBIAN_ARCH[HOST]) -> Path:
+    """A minimal Debian bookworm with python3 and pip for `arch`, made with debootstrap once and cached (~60-110 s
+    for the host's; the other platform's: see `_foreign_rootfs`)."""
     cache = cache_dir() / "images"
     cache.mkdir(parents=True, exist_ok=True)
-    tarball = cache / BASE_TARBALL
+    tarball = cache / BASE_TARBALL[arch]
     if tarball.is_file():
         return tarball
     work = Path(tempfile.mkdtemp(prefix="debootstrap-", dir=cache))
     try:
         rootfs = work / "rootfs"
         mirror = os.environ.get("VLLM_DFLASH_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-        cmd = ["debootstrap", "--variant=minbase", "--include=python3,python3-pip", "bookworm", str(rootfs), mirror]
-        print("+ " + " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        cmd = ["debootstrap", f"--arch={arch}", "--variant=minbase", "--include=python3,python3-pip", "bookworm"]
+        cmd += [str(rootfs), mirror]
+        t0 = time.monotonic()
+        if arch == DEBIAN_ARCH[HOST]:
+            print("+ " + " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        else:
+            _foreign_rootfs(cmd, rootfs, arch)
         tmp = work / "rootfs.tar.gz"
         subprocess.run(["tar", "-C", str(rootfs), "--numeric-owner", "-czf", str(tmp), "."], check=True)
         os.replace(tmp, tarball)
+        print(f"debootstrap {arch}: {time.monotonic() - t0:.0f} s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return tarball
@@ -316,53 +437,9 @@ def test_fast_image_builds_and_checks_inside(
     health = info.get("Healthcheck") or info["Config"].get("Healthcheck") or {}
     assert any("/health" in part for part in health.get("Test", []))
 
-    # Inside the image: the wheel's files, byte for byte, for our wheel; upstream's wheel must NOT match
-    # (negative control: at least vllm/_version.py differs, since it carries our version).
-    ours = _wheel_hashes(dflash_wheel)
-    upstream_wheel = fetch(manifest.wheels[platform.machine()])
-    upstream = _wheel_hashes(upstream_wheel)
-    check = tmp_path / "check"
-    check.mkdir()
-    (check / "check.py").write_text(CHECK_SCRIPT)
-    (check / "ours.json").write_text(json.dumps(ours))
-    (check / "upstream.json").write_text(json.dumps(upstream))
-
-    def inside(expected: str) -> dict[str, object]:
-        res = subprocess.run(
-            [
-                *prefix,
-                "run",
-                *PODMAN_RUN,
-                *RUN_FLAGS,
-                "-v",
-                f"{check}:/check:ro",
-                "--entrypoint",
-                "python3",
-                result.tag,
-                "/check/check.py",
-                f"/check/{expected}",
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        data: dict[str, object] = json.loads(res.stdout.strip().splitlines()[-1])
-        return data
-
-    got = inside("ours.json")
-    assert got["version"] == labels[img.LABEL_VERSION]
-    files = got["files"]
-    assert isinstance(files, dict)
-    mismatched = sorted(k for k, v in ours.items() if files.get(k) != v)
-    assert not mismatched, f"{len(mismatched)} installed files differ from the wheel, e.g. {mismatched[:5]}"
-    assert len(files) == len(ours) > 1000
-    assert got["vllm_script"] and "vllm.entrypoints.cli.main" in str(got["script"])
-
-    control = inside("upstream.json")
-    cfiles = control["files"]
-    assert isinstance(cfiles, dict)
-    differ = sorted(k for k, v in upstream.items() if cfiles.get(k) != v)
-    assert "vllm/_version.py" in differ
+    # Inside the image: the wheel's files, byte for byte; upstream's wheel must NOT match (negative control).
+    got = _check_inside(prefix, result.tag, dflash_wheel, fetch(manifest.wheels[platform.machine()]), tmp_path)
+    assert got["version"] == labels[img.LABEL_VERSION] and got["machine"] == platform.machine()
 
     over_base = int(info["Size"]) - int(base_info["Size"])
     report = {
@@ -421,3 +498,278 @@ def test_fast_image_with_buildah(
     )
     assert res.stdout.strip().splitlines()[-1] == manifest.version
     subprocess.run([*prefix, "rmi", result.tag], check=False, capture_output=True)
+
+
+# ------------------------------------------------------------------------------- the other platform, emulated
+@pytest.fixture(scope="module")
+def emulated_store(podman_store: tuple[img.ImageOptions, str]) -> tuple[img.ImageOptions, str]:
+    """The same storage with the other platform's debootstrap base imported (made under qemu) and `<base>:multi`, an
+    image index over both bases: what upstream's multi-platform vllm/vllm-openai is to `image --platform all`."""
+    opts, base = podman_store
+    why_not = img.can_build_for(FOREIGN)
+    assert why_not is None, f"{why_not}: scripts/test registers one as root (apt-get install qemu-user-static)"
+    prefix = img.tool_prefix("podman", opts)
+    foreign = base.rpartition(":")[0] + f":bookworm-{FOREIGN}"
+    tarball = _base_tarball(DEBIAN_ARCH[FOREIGN])
+    arch = DEBIAN_ARCH[FOREIGN]
+    subprocess.run([*prefix, "import", "--arch", arch, str(tarball), foreign], check=True, capture_output=True)
+    multi = base.rpartition(":")[0] + ":multi"
+    subprocess.run([*prefix, "manifest", "create", multi], check=True, capture_output=True)
+    for ref in (base, foreign):
+        subprocess.run(
+            [*prefix, "manifest", "add", multi, f"containers-storage:{ref}"], check=True, capture_output=True
+        )
+    return replace(opts, base_image=multi), foreign
+
+
+@pytest.fixture(scope="module")
+def both_wheels(tmp_path_factory: pytest.TempPathFactory, manifest: Manifest) -> dict[str, Path]:
+    """Our wheels for both platforms, built here by the pipeline (`vllm-dflash build` makes both from any host)."""
+    out = tmp_path_factory.mktemp("wheels")
+    options = BuildOptions(platforms=("x86_64", "aarch64"), out_dir=out)
+    wheels = build(manifest, read_queues(manifest.series_path, manifest.cpu_series_path), options).wheels
+    return {w.platform: w.path for w in wheels}
+
+
+@dataclass(frozen=True)
+class AllPlatforms:
+    tags: dict[str, str]  # machine -> per-platform tag
+    manifests: dict[str, str]  # machine -> manifest digest the CLI printed
+    index: str
+    seconds: float
+    stdout: str
+    release_args: list[str]  # the `--image REPO@DIGEST=PLATFORM` lines the CLI printed for `release`
+
+
+@pytest.fixture(scope="module")
+def all_platforms(
+    emulated_store: tuple[img.ImageOptions, str],
+    both_wheels: dict[str, Path],
+    manifest: Manifest,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AllPlatforms:
+    """`vllm-dflash image --platform all` in a checkout whose dist/ holds both wheels: one image per platform (the
+    other one's RUN steps under qemu) and the image index over them."""
+    opts, _ = emulated_store
+    m = _fake_checkout(tmp_path_factory.mktemp("all"), manifest)
+    m.dist_dir.mkdir()
+    for wheel in both_wheels.values():
+        os.link(wheel, m.dist_dir / wheel.name)
+    repo = "localhost/vllm-dflash-test-all"
+    assert opts.storage_root is not None and opts.base_image is not None
+    cmd = [sys.executable, "-m", "vllm_dflash", "--root", str(m.root), "image", "--platform", "all"]
+    cmd += ["--tool", "podman", "--storage-root", str(opts.storage_root), "--storage-driver", "vfs"]
+    cmd += ["--isolation", "chroot", "--tag", repo, "--base-image", opts.base_image]
+    t0 = time.monotonic()
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3000)
+    seconds = time.monotonic() - t0
+    assert res.returncode == 0, res.stderr[-4000:]
+    print(res.stderr[-3000:])
+    tag = img.image_tag(manifest.version, repo)
+    lines = res.stdout.splitlines()
+    manifests = {}
+    for machine in ("x86_64", "aarch64"):
+        at = lines.index(f"{tag}-{machine}")
+        assert lines[at + 2].startswith("manifest=sha256:"), res.stdout
+        manifests[machine] = lines[at + 2].removeprefix("manifest=")
+        assert lines[at + 3] == f"release: --image {repo}@{manifests[machine]}={machine}"
+    assert lines[-2] == tag and lines[-1].startswith("index over "), res.stdout
+    tags = {machine: f"{tag}-{machine}" for machine in ("x86_64", "aarch64")}
+    timing: dict[str, float] = {"image_all_seconds": round(seconds, 1)}
+    for m in re.finditer(r"^built \S+-(x86_64|aarch64) with podman in (\d+) s$", res.stderr, re.M):
+        timing[f"build_{m.group(1)}_seconds"] = float(m.group(2))
+    (cache_dir() / "image-all-proof.json").write_text(json.dumps(timing, indent=2))
+    releases = [line.removeprefix("release: ") for line in lines if line.startswith("release: --image ")]
+    return AllPlatforms(
+        tags=tags, manifests=manifests, index=tag, seconds=seconds, stdout=res.stdout, release_args=releases
+    )
+
+
+def _inspect(prefix: list[str], ref: str) -> dict[str, object]:
+    out = subprocess.run([*prefix, "image", "inspect", ref], check=True, capture_output=True, text=True).stdout
+    data: dict[str, object] = json.loads(out)[0]
+    return data
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_aarch64_image_checks_inside(
+    emulated_store: tuple[img.ImageOptions, str],
+    all_platforms: AllPlatforms,
+    both_wheels: dict[str, Path],
+    manifest: Manifest,
+    tmp_path: Path,
+) -> None:
+    """The other platform's image (aarch64 on x86_64 CI) gets the same checks as the host's: labels from its
+    wheel's provenance, entrypoint and healthcheck, and inside it (run under qemu) exactly that wheel installed."""
+    opts, _ = emulated_store
+    prefix = img.tool_prefix("podman", opts)
+    wheel = both_wheels[FOREIGN]
+    info = _inspect(prefix, all_platforms.tags[FOREIGN])
+    assert info["Architecture"] == DEBIAN_ARCH[FOREIGN] and info["Os"] == "linux"
+    assert info["Digest"] == all_platforms.manifests[FOREIGN]
+    config = info["Config"]
+    assert isinstance(config, dict)
+    doc = prov.read_wheel(wheel)
+    labels = config["Labels"]
+    assert labels[img.LABEL_VERSION] == doc.version == manifest.version
+    assert labels[img.LABEL_UPSTREAM_TAG] == doc.upstream.tag
+    assert labels[img.LABEL_UPSTREAM_COMMIT] == doc.upstream.commit_pinned
+    assert labels[img.LABEL_PATCHES] == ",".join(doc.patch_names)
+    assert config["Entrypoint"] == ["vllm", "serve"]
+    health = info.get("Healthcheck") or config.get("Healthcheck") or {}
+    assert isinstance(health, dict) and any("/health" in part for part in health.get("Test", []))
+    got = _check_inside(prefix, all_platforms.tags[FOREIGN], wheel, fetch(manifest.wheels[FOREIGN]), tmp_path)
+    assert got["version"] == manifest.version
+    assert got["machine"] == FOREIGN  # the interpreter inside really is the other platform's (emulated)
+    # The host's wheel is not what the aarch64 image holds (its native extensions are x86_64 builds).
+    host_files = _wheel_hashes(both_wheels[HOST])
+    files = got["files"]
+    assert isinstance(files, dict)
+    assert sum(files.get(k) != v for k, v in host_files.items() if k.endswith(".so")) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_image_index_lists_both_platforms(
+    emulated_store: tuple[img.ImageOptions, str], all_platforms: AllPlatforms
+) -> None:
+    """`image --platform all` made `<tag>` an image index over both per-platform images: each listed once, for its
+    own architecture, by the digest of the image behind its per-platform tag."""
+    opts, _ = emulated_store
+    prefix = img.tool_prefix("podman", opts)
+    raw = subprocess.run([*prefix, "manifest", "inspect", all_platforms.index], check=True, capture_output=True)
+    doc = json.loads(raw.stdout)
+    assert doc["schemaVersion"] == 2 and ("manifest.list" in doc["mediaType"] or "image.index" in doc["mediaType"])
+    listed = {(e["platform"]["os"], e["platform"]["architecture"]): e["digest"] for e in doc["manifests"]}
+    assert len(listed) == len(doc["manifests"]) == 2
+    want = {("linux", DEBIAN_ARCH[m]): str(_inspect(prefix, tag)["Digest"]) for m, tag in all_platforms.tags.items()}
+    assert listed == want
+    assert want[("linux", "arm64")] == all_platforms.manifests["aarch64"]
+    assert want[("linux", "amd64")] == all_platforms.manifests["x86_64"]
+    # The stage's own check refuses an index that does not list what was built (an image swapped for another).
+    results = [
+        img.ImageResult(
+            tag=tag,
+            digest="",
+            tool="podman",
+            target="fast",
+            platform=m,
+            manifest_digest=listed[("linux", DEBIAN_ARCH[m])],
+        )
+        for m, tag in all_platforms.tags.items()
+    ]
+    again = img.image_index("podman", opts, "localhost/vllm-dflash-test-all:recheck", results)
+    assert sorted(e.digest for e in again) == sorted(listed.values())
+    swapped = [replace(results[0], manifest_digest=results[1].manifest_digest), results[1]]
+    with pytest.raises(ContainerError, match="not the images just built"):
+        img.image_index("podman", opts, "localhost/vllm-dflash-test-all:recheck", swapped)
+
+
+# --------------------------------------------------------------------------------------- images in a release
+def _resum(directory: Path) -> None:
+    """Rewrite SHA256SUMS over the files as they are now: an altered file then passes the checksum step, so what
+    refuses it is the image check itself."""
+    names = [p.name for p in directory.iterdir() if p.name != layout.SUMS]
+    digests = {n: hashlib.sha256((directory / n).read_bytes()).hexdigest() for n in names}
+    (directory / layout.SUMS).write_bytes(layout.format_sums(digests))
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_release_names_both_platform_images(both_wheels: dict[str, Path], manifest: Manifest, tmp_path: Path) -> None:
+    """`release --image` per platform (and the index): images.json binds each image to its platform's wheel, the
+    notes name each by digest, and verify checks both; a release that names them wrongly is refused."""
+    repo = "registry.example.com/ml/vllm-dflash"
+    digests = {"x86_64": "sha256:" + "a1" * 32, "aarch64": "sha256:" + "b2" * 32, "index": "sha256:" + "c3" * 32}
+    images = (
+        ImageRef(repo, digests["x86_64"], "x86_64"),
+        ImageRef(repo, digests["aarch64"], "aarch64"),
+        ImageRef(repo, digests["index"], None),
+    )
+    wheels = [both_wheels["x86_64"], both_wheels["aarch64"]]
+    rel = make_release(manifest, wheels, tmp_path / "rel", ReleaseOptions(images=images, link=False))
+    doc = json.loads((rel.directory / layout.IMAGES).read_text())
+    by_platform = {e["platform"]: e for e in doc["images"]}
+    for machine in ("x86_64", "aarch64"):
+        wheel = both_wheels[machine]
+        assert by_platform[machine]["digest"] == digests[machine]
+        assert by_platform[machine]["wheel"] == wheel.name
+        assert by_platform[machine]["wheel_sha256"] == hashlib.sha256(wheel.read_bytes()).hexdigest()
+    notes = rel.notes.read_text()
+    assert all(f"{repo}@{d}" in notes for d in digests.values())
+    result = verify(rel.directory)
+    assert sorted((i.platform or "", i.digest) for i in result.images) == sorted(
+        (k if k != "index" else "", d) for k, d in digests.items()
+    )
+    assert "; images index " + "c3" * 6 + "…" in result.summary()
+
+    # Refused at release time: an image for a platform whose wheel is not released, two for one platform.
+    with pytest.raises(VerifyError, match="has no aarch64 wheel"):
+        make_release(manifest, wheels[:1], tmp_path / "r1", ReleaseOptions(images=images[:2]))
+    twice = (*images, ImageRef(repo, "sha256:" + "d4" * 32, "aarch64"))
+    with pytest.raises(VerifyError, match="two images for the aarch64 platform"):
+        make_release(manifest, wheels, tmp_path / "r2", ReleaseOptions(images=twice))
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+
+    # Refused by verify, with SHA256SUMS made to match (an unsigned release re-summed by someone else).
+    def altered(name: str, edit: object) -> Path:
+        d = tmp_path / name
+        shutil.copytree(rel.directory, d)
+        assert callable(edit)
+        edit(d)
+        _resum(d)
+        return d
+
+    def swap_wheels(d: Path) -> None:  # the aarch64 image claims the x86_64 wheel
+        text = (d / layout.IMAGES).read_text()
+        x86 = by_platform["x86_64"]
+        arm = by_platform["aarch64"]
+        text = text.replace(arm["wheel"], x86["wheel"]).replace(arm["wheel_sha256"], x86["wheel_sha256"])
+        (d / layout.IMAGES).write_text(text)
+
+    def drop_from_notes(d: Path) -> None:
+        (d / layout.NOTES).write_text((d / layout.NOTES).read_text().replace(digests["aarch64"], digests["x86_64"]))
+
+    def other_digest(d: Path) -> None:  # the image list names an image the notes do not
+        (d / layout.IMAGES).write_text((d / layout.IMAGES).read_text().replace("b2" * 32, "e5" * 32))
+
+    for name, edit, phrase in (
+        ("swapped", swap_wheels, "not this release's aarch64 wheel"),
+        ("notes", drop_from_notes, f"do not name {repo}@{digests['aarch64']}"),
+        ("digest", other_digest, "do not name"),
+    ):
+        with pytest.raises(VerifyError, match=re.escape(phrase)):
+            verify(altered(name, edit))
+    # The same alteration machinery, with no alteration: verifies (the refusals above are the image check's).
+    assert verify(altered("unchanged", lambda d: None)).images == result.images
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_release_names_the_built_images(
+    all_platforms: AllPlatforms, both_wheels: dict[str, Path], manifest: Manifest, tmp_path: Path
+) -> None:
+    """`release` with the `--image` arguments `image --platform all` printed names both images by their manifest
+    digests, bound to their wheels, and `verify` checks them; the same aarch64 image claimed for x86_64 too is
+    refused (two images for one platform) in one line, exit 17."""
+    args = [part for line in all_platforms.release_args for part in line.split(" ", 1)]
+    assert len(args) == 4, all_platforms.stdout
+    wheels = [str(both_wheels["x86_64"]), str(both_wheels["aarch64"])]
+    cli = [sys.executable, "-m", "vllm_dflash", "--root", str(manifest.root)]
+    out = tmp_path / "release"
+    made = subprocess.run([*cli, "release", *wheels, "--out", str(out), *args], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr[-2000:]
+    doc = json.loads((out / layout.IMAGES).read_text())
+    assert {e["platform"]: e["digest"] for e in doc["images"]} == all_platforms.manifests
+    checked = subprocess.run([*cli, "verify", str(out)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    for machine, digest in all_platforms.manifests.items():
+        assert f"{machine} {digest[7:19]}…" in checked.stdout
+    arm = next(a for a in args if a.endswith("=aarch64"))
+    twice = [*args, "--image", arm.replace("=aarch64", "=x86_64")]
+    bad = subprocess.run(
+        [*cli, "release", *wheels, "--out", str(tmp_path / "bad"), *twice], capture_output=True, text=True
+    )
+    assert bad.returncode == VerifyError.return_code and "two images for the x86_64 platform" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()

@@ -239,7 +239,7 @@ def test_signed_release_layout_and_verify(
     names = sorted(p.name for p in d.iterdir())
     assert names == list(signed.files)
     per_wheel = {".cdx.json", ".intoto.json", ".intoto.dsse.json", ".validation-gate-test.json"}
-    expected = {layout.SUMS, layout.SUMS_ENVELOPE, layout.NOTES, layout.PUBLIC_KEY}
+    expected = {layout.SUMS, layout.SUMS_ENVELOPE, layout.NOTES, layout.PUBLIC_KEY, layout.IMAGES}  # it names an image
     for w in built.values():
         expected |= {w.path.name} | {w.path.name + s for s in per_wheel}
     assert set(names) == expected

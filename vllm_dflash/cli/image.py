@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         if why_not is not None:
             skipped.append(f"{machine}: {why_not}")
             continue
-        options = replace(base, platform=machine if explicit else None)
+        options = replace(base, platform=machine if explicit else None, per_platform_tag=len(wanted) > 1)
         if args.target == "fast":
             wheel = args.wheel.resolve() if args.wheel is not None else img.find_wheel(m.dist_dir, m.version, machine)
             labels = img.labels_from_wheel(wheel, url)
@@ -83,13 +83,17 @@ def run(args: argparse.Namespace) -> int:
         result = img.build_image(labels, dockerfile, wheel, options)
         print(f"built {result.tag} with {result.tool} in {result.seconds:.0f} s", file=sys.stderr)
         print(f"{result.tag}\ndigest={result.digest}")
+        if result.manifest_digest:  # what an index lists, and `release --image` names (after a push: the pushed one)
+            repo = result.tag.rpartition(":")[0]
+            print(f"manifest={result.manifest_digest}\nrelease: --image {repo}@{result.manifest_digest}={machine}")
         built.append(result)
     for line in skipped:
         print(f"NOT BUILT {line}", file=sys.stderr)
     if len(built) > 1:
         index = img.image_tag(built[0].labels[img.LABEL_VERSION], args.repo)
-        img.image_index(built[0].tool, base, index, built)
-        print(f"{index}\nindex over {', '.join(r.platform for r in built)}")
+        entries = img.image_index(built[0].tool, base, index, built)
+        listed = ", ".join(f"{e.os}/{e.architecture} {e.digest}" for e in entries)
+        print(f"{index}\nindex over {listed}")
     if not built:
         raise ContainerError("no image could be built here: " + "; ".join(skipped), img.EMULATION_HINT)
     return 0

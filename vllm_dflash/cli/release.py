@@ -29,7 +29,12 @@ def register(sub: Any) -> None:
     r.add_argument("--report", action="append", type=Path, default=[], help="a validation report to attach")
     r.add_argument("--sign-key", type=Path, default=None, help="PEM Ed25519 private key: sign (DSSE) the release")
     r.add_argument(
-        "--image", action="append", default=[], metavar="REPO@sha256:HEX[=PLATFORM]", help="an image to name"
+        "--image",
+        action="append",
+        default=[],
+        metavar="REPO@sha256:HEX[=PLATFORM]",
+        help="an image to name: one per platform (=x86_64, =aarch64; `vllm-dflash image` prints the arguments), "
+        "and without =PLATFORM the image index",
     )
     r.add_argument("--builder-id", default=DEFAULT_BUILDER_ID, help="SLSA builder id (a CI system sets its own)")
     r.add_argument("--index-url", default=None, help="the index the notes' install command names")
@@ -60,7 +65,10 @@ def _image(spec: str) -> ImageRef:
     repo, sep, digest = ref.partition("@")
     if not sep:
         raise ManifestError(f"--image {spec} is not REPO@sha256:HEX[=PLATFORM]", "name the image by its digest")
-    return ImageRef(repo, digest, plat or None)
+    try:
+        return ImageRef(repo, digest, plat or None)
+    except ValueError as exc:
+        raise ManifestError(f"--image {spec}: {exc}", "write REPO@sha256:<64 hex>[=x86_64|aarch64]") from None
 
 
 def _timestamp(given: str | None) -> dt.datetime | None:

@@ -63,6 +63,8 @@ class ImageOptions:
     source_url: str | None = None
     dockerfile: Path | None = None  # default: <checkout>/Dockerfile
     platform: str | None = None  # x86_64 | aarch64: build for this platform (None: the host's)
+    # Tag `<tag>-<platform>` even for the host's platform: with several platforms `<tag>` is the image index.
+    per_platform_tag: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,20 @@ class ImageResult:
     seconds: float = 0.0
     labels: Mapping[str, str] = field(default_factory=dict)
     platform: str = ""
+    # sha256 of the image's manifest in local storage (podman/buildah), what an image index lists; "" for docker.
+    # A registry push may recompress the layers: name the pushed digest (`podman push --digestfile`) in releases.
+    manifest_digest: str = ""
+    architecture: str = ""  # the image config's architecture (amd64, arm64)
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One image an image index lists."""
+
+    digest: str
+    architecture: str
+    os: str
+    media_type: str
 
 
 def image_tag(version: str, repo: str = DEFAULT_REPO) -> str:
@@ -162,21 +178,50 @@ def find_wheel(dist: Path, version: str, machine: str | None = None) -> Path:
     return fitting[0]
 
 
-def can_build_for(machine: str) -> str | None:
-    """None when this host can run RUN steps for `machine`; otherwise why not (no emulation registered)."""
+# Where the kernel lists binfmt_misc handlers; VLLM_DFLASH_BINFMT_DIR points the check elsewhere (the tests hide a
+# registered handler with an empty folder to prove the refusal).
+BINFMT_DIR = Path("/proc/sys/fs/binfmt_misc")
+BINFMT_DIR_ENV = "VLLM_DFLASH_BINFMT_DIR"
+
+
+def binfmt_dir() -> Path:
+    return Path(os.environ.get(BINFMT_DIR_ENV) or BINFMT_DIR)
+
+
+def can_build_for(machine: str, binfmt: Path | None = None) -> str | None:
+    """None when this host can run RUN steps for `machine`; otherwise why not (no usable emulation registered).
+
+    A handler must be enabled and carry flag F: the interpreter is then opened at registration, so it runs inside
+    the build's chroot, where the host's /usr/libexec/qemu-binfmt path does not exist.
+    """
     host = host_platform.machine()
     if _MACHINE_TAGS.get(host, (host,))[0] == machine:
         return None
-    entry = Path("/proc/sys/fs/binfmt_misc") / _QEMU[machine]
+    entry = (binfmt or binfmt_dir()) / _QEMU[machine]
     try:
-        if entry.is_file() and entry.read_text().startswith("enabled"):
-            return None
+        lines = entry.read_text().splitlines() if entry.is_file() else []
     except OSError:
-        pass
-    return f"this {host} host cannot run {machine} programs: no {_QEMU[machine]} binfmt_misc handler is registered"
+        lines = []
+    if not lines or lines[0].strip() != "enabled":
+        why = (
+            f"its {_QEMU[machine]} binfmt_misc handler is disabled"
+            if lines
+            else (f"no {_QEMU[machine]} binfmt_misc handler is registered")
+        )
+        return f"this {host} host cannot run {machine} programs: {why}"
+    flags = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("flags:")), "")
+    if "F" not in flags:
+        return (
+            f"this {host} host's {_QEMU[machine]} binfmt_misc handler lacks flag F (flags: {flags or 'none'}), "
+            "so it cannot run inside a container build"
+        )
+    return None
 
 
-EMULATION_HINT = "install qemu-user-static and binfmt-support, or build on a machine of that platform"
+EMULATION_HINT = (
+    "install qemu-user-static and binfmt-support (as root; mount binfmt_misc first if "
+    "/proc/sys/fs/binfmt_misc/register is missing), or build on a machine of that platform"
+)
 
 
 def _daemon_answers(tool: str) -> bool:
@@ -301,7 +346,7 @@ def build_image(labels: ImageLabels, dockerfile: Path, wheel: Path | None, optio
             raise ContainerError(f"cannot build the {options.platform} image: {why_not}", EMULATION_HINT)
     tool = pick_tool(options.tool)
     tag = image_tag(labels.version, options.repo)
-    if options.platform is not None and options.platform != host_platform.machine():
+    if options.platform is not None and (options.per_platform_tag or options.platform != host_platform.machine()):
         tag = f"{tag}-{options.platform}"
     args = build_args(labels, options, wheel if options.target == "fast" else None)
     from vllm_dflash.fetch import cache_dir
@@ -325,12 +370,20 @@ def build_image(labels: ImageLabels, dockerfile: Path, wheel: Path | None, optio
         raise ContainerError(f"{tool} built {tag} but reported no image id", "check the tool's version (--iidfile)")
     if not digest.startswith("sha256:"):
         digest = f"sha256:{digest}"
-    got = image_labels(inspect_image(tool, options, tag))
+    info = inspect_image(tool, options, tag)
+    got = image_labels(info)
     missing = [k for k in REQUIRED_LABELS if k not in got]
     if missing or got.get(LABEL_VERSION) != labels.version:
         raise ContainerError(
             f"image {tag} lacks labels {', '.join(missing) or LABEL_VERSION + '=' + labels.version}",
             f"the Dockerfile at {dockerfile} is not this version's; restore it",
+        )
+    arch = str(info.get("Architecture") or "")
+    want_arch = OCI_PLATFORMS.get(options.platform or "", "/").split("/")[1]
+    if want_arch and arch and arch != want_arch:
+        raise ContainerError(
+            f"image {tag} was built for {arch}, not {want_arch}: its base image has no {want_arch} variant",
+            "pass --base-image naming an image (or image index) with that platform",
         )
     return ImageResult(
         tag=tag,
@@ -341,11 +394,34 @@ def build_image(labels: ImageLabels, dockerfile: Path, wheel: Path | None, optio
         seconds=seconds,
         labels=got,
         platform=options.platform or host_platform.machine(),
+        manifest_digest=str(info.get("Digest") or ""),
+        architecture=arch,
     )
 
 
-def image_index(tool: str, options: ImageOptions, tag: str, images: list[ImageResult]) -> None:
-    """Make `tag` an OCI image index (manifest list) over per-platform images (podman/buildah/docker)."""
+def inspect_index(tool: str, options: ImageOptions, tag: str) -> list[IndexEntry]:
+    """The images the local image index (manifest list) `tag` lists."""
+    import json
+
+    res = proc.call(*tool_prefix(tool, options), "manifest", "inspect", tag, capture=True, error=ContainerError)
+    try:
+        doc = json.loads(res.stdout)
+        return [
+            IndexEntry(
+                digest=str(m["digest"]),
+                architecture=str(m.get("platform", {}).get("architecture", "")),
+                os=str(m.get("platform", {}).get("os", "")),
+                media_type=str(m.get("mediaType", "")),
+            )
+            for m in doc["manifests"]
+        ]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ContainerError(f"{tool} manifest inspect {tag}: unexpected output ({exc})", "check the tool") from None
+
+
+def image_index(tool: str, options: ImageOptions, tag: str, images: list[ImageResult]) -> list[IndexEntry]:
+    """Make `tag` an image index (manifest list) over per-platform images (podman/buildah), and check it lists
+    exactly those images, by manifest digest, each for its own architecture."""
     prefix = tool_prefix(tool, options)
     if tool == "docker":
         raise ContainerError(
@@ -354,8 +430,18 @@ def image_index(tool: str, options: ImageOptions, tag: str, images: list[ImageRe
         )
     proc.call(*prefix, "manifest", "rm", tag, capture=True, check=False, quiet=True)
     proc.call(*prefix, "manifest", "create", tag, error=ContainerError)
-    for img in images:
-        proc.call(*prefix, "manifest", "add", tag, img.digest, error=ContainerError)
+    for result in images:
+        # The transport is explicit: a bare name would be looked up in a registry.
+        proc.call(*prefix, "manifest", "add", tag, f"containers-storage:{result.tag}", error=ContainerError)
+    entries = inspect_index(tool, options, tag)
+    want = sorted((r.manifest_digest, OCI_PLATFORMS[r.platform].split("/")[1]) for r in images)
+    got = sorted((e.digest, e.architecture) for e in entries)
+    if got != want:
+        raise ContainerError(
+            f"image index {tag} lists {got}, not the images just built {want}",
+            f"remove it ({tool} manifest rm {tag}) and build again",
+        )
+    return entries
 
 
 def parse_build_args(items: list[str]) -> dict[str, str]:

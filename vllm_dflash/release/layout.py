@@ -6,6 +6,7 @@
     <wheel>.intoto.dsse.json         DSSE envelope over the statement (signed releases)
     <wheel>.validation-<profile>.json  sealed validation reports that name the wheel's sha256 (when given)
     RELEASE-NOTES.md
+    images.json                      the container images named (by digest), bound to their wheels (`images.py`)
     signing-key.pub                  PEM public key the envelopes verify with (signed releases)
     SHA256SUMS                       `sha256sum -c` format over every file above
     SHA256SUMS.dsse.json             DSSE envelope over SHA256SUMS (signed releases)
@@ -27,6 +28,7 @@ from vllm_dflash.paths import bare_name
 SUMS = "SHA256SUMS"
 SUMS_ENVELOPE = "SHA256SUMS.dsse.json"
 NOTES = "RELEASE-NOTES.md"
+IMAGES = "images.json"
 PUBLIC_KEY = "signing-key.pub"
 SBOM_SUFFIX = ".cdx.json"
 STATEMENT_SUFFIX = ".intoto.json"
@@ -43,6 +45,7 @@ class Kind(enum.Enum):
     ENVELOPE = "signature envelope"
     REPORT = "validation report"
     NOTES = "release notes"
+    IMAGES = "image list"
     PUBLIC_KEY = "public key"
     SUMS = "checksum list"
     SUMS_ENVELOPE = "checksum list signature"
@@ -79,6 +82,7 @@ def classify(name: str) -> Member | None:
         SUMS: Kind.SUMS,
         SUMS_ENVELOPE: Kind.SUMS_ENVELOPE,
         NOTES: Kind.NOTES,
+        IMAGES: Kind.IMAGES,
         PUBLIC_KEY: Kind.PUBLIC_KEY,
     }
     if name in fixed:

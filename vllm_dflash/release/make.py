@@ -22,6 +22,7 @@ from vllm_dflash.manifest import Manifest
 from vllm_dflash.paths import copy_atomic, ensure_dir, storage_error, temp_sibling, temporary_pid, write_bytes_atomic
 from vllm_dflash.release import dsse, layout
 from vllm_dflash.release.facts import SourceMaterial, WheelFacts, read_facts, source_material
+from vllm_dflash.release.images import build_images
 from vllm_dflash.release.notes import AttachedReport, ImageRef, release_notes
 from vllm_dflash.release.sbom import build_sbom
 from vllm_dflash.release.statement import DEFAULT_BUILDER_ID, build_statement
@@ -35,7 +36,7 @@ class ReleaseOptions:
     sign_key_password: bytes | None = None  # for an encrypted PEM
     reports: tuple[Path, ...] = ()  # sealed validation reports, each naming one of the wheels' sha256
     report_key: bytes | None = None  # $VLLM_DFLASH_REPORT_KEY: reports must then carry a valid HMAC
-    images: tuple[ImageRef, ...] = ()  # container images to name (by digest) in the notes
+    images: tuple[ImageRef, ...] = ()  # container images to name (by digest) in the notes and images.json
     builder_id: str = DEFAULT_BUILDER_ID  # SLSA runDetails.builder.id (a CI system sets its own identity)
     timestamp: datetime | None = None  # CycloneDX metadata.timestamp; None omits it (reproducible)
     index_url: str | None = None  # the index the notes' `pip install --index-url` names
@@ -176,6 +177,8 @@ def make_release(
     docs[layout.NOTES] = release_notes(
         facts, source, attached, options.images, key.keyid if key else None, options.index_url
     ).encode()
+    if options.images:  # each per-platform image bound to its platform's wheel; refused when none is here
+        docs[layout.IMAGES] = build_images(facts, options.images)
     if key is not None:
         docs[layout.PUBLIC_KEY] = dsse.public_pem(key.public)
 

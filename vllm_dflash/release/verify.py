@@ -12,6 +12,8 @@ Checks, in order, each failure one VerifyError line (exit 17) naming the file an
    statement name the same upstream source; every attached validation report is sealed (HMAC too with a
    report key), passed, and names this wheel's sha256.
 4. The release notes name every wheel's sha256.
+5. images.json (when the release names images): every per-platform image names this release's wheel of its
+   platform by file name and sha256, one image per platform and one index at most, each named in the notes.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from vllm_dflash.errors import VerifyError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.release import dsse, layout
 from vllm_dflash.release.facts import WheelFacts, read_facts
+from vllm_dflash.release.images import check_images
 from vllm_dflash.release.layout import Kind
-from vllm_dflash.release.notes import sha256s_named
+from vllm_dflash.release.notes import ImageRef, sha256s_named
 from vllm_dflash.release.sbom import check_sbom
 from vllm_dflash.release.statement import check_statement
 
@@ -69,6 +72,7 @@ class VerifyResult:
     signed: bool
     key_id: str | None
     authenticated: bool  # the signatures were checked with a key the user supplied
+    images: tuple[ImageRef, ...] = ()  # the container images images.json names (checked against the wheels)
 
     def summary(self) -> str:
         what = "artifact" if self.partial else "release"
@@ -78,7 +82,10 @@ class VerifyResult:
                 "" if self.authenticated else " (its own key: pass --key to authenticate)"
             )
         wheels = ", ".join(f"{w.platform} {w.sha256[:12]}… ({len(w.reports)} report(s))" for w in self.wheels)
-        return f"{what} {self.directory} verified: {len(self.files)} files, {wheels}; {sig}"
+        named = "; images " + ", ".join(f"{i.platform or 'index'} {i.digest[7:19]}…" for i in self.images)
+        return f"{what} {self.directory} verified: {len(self.files)} files, {wheels}; {sig}" + (
+            named if self.images else ""
+        )
 
 
 RELEASE_DOC_LIMIT = 256 << 20  # a release's documents (SBOM, statements, notes, sums) are KBs; wheels are hashed
@@ -210,6 +217,13 @@ def _verify(target: Path, options: VerifyOptions) -> VerifyResult:
         for wheel in scope:
             if listed[wheel] not in named:
                 raise VerifyError(f"{layout.NOTES}: does not name {wheel}'s sha256", _RESTORE)
+    # 5. Images.
+    images: list[ImageRef] = []
+    if layout.IMAGES in wanted and layout.IMAGES in present:
+        notes = _read(directory / layout.NOTES).decode("utf-8", errors="replace") if layout.NOTES in present else ""
+        images = check_images(
+            _read(directory / layout.IMAGES), {w: listed[w] for w in all_wheels}, notes, layout.IMAGES, _RESTORE
+        )
     return VerifyResult(
         directory=directory,
         wheels=tuple(verified),
@@ -218,6 +232,7 @@ def _verify(target: Path, options: VerifyOptions) -> VerifyResult:
         signed=signed,
         key_id=dsse.key_id(key) if key is not None else None,
         authenticated=authenticated,
+        images=tuple(images),
     )
 
 
