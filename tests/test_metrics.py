@@ -46,21 +46,26 @@ def test_parse_sums_engines_and_ignores_created() -> None:
 
 def test_acceptance_of_a_delta() -> None:
     before = parse_spec_counters(TEXT)
-    after = parse_spec_counters(
-        TEXT.replace(
-            'num_drafts_total{engine="0",model_name="m"} 10.0', 'num_drafts_total{engine="0",model_name="m"} 30.0'
-        ).replace(
-            'accepted_tokens_total{engine="0",model_name="m"} 20.0',
-            'accepted_tokens_total{engine="0",model_name="m"} 50.0',
-        )
-    )
-    delta = after.minus(before)
-    assert delta.drafts == 20.0 and delta.accepted == 30.0
-    assert acceptance(delta).mean_acceptance_length == pytest.approx(2.5)
+
+    def bump(text: str, family: str, old: str, new: str) -> str:
+        line = f'{family}{{engine="0",model_name="m"}} '
+        assert line + old in text
+        return text.replace(line + old, line + new)
+
+    after_text = bump(TEXT, "vllm:spec_decode_num_drafts_total", "10.0", "30.0")  # +20 drafts
+    after_text = bump(after_text, "vllm:spec_decode_num_draft_tokens_total", "30.0", "90.0")  # +60 = 20 x 3
+    after_text = bump(after_text, "vllm:spec_decode_num_accepted_tokens_total", "20.0", "50.0")  # +30
+    for pos, (old, new) in enumerate((("9.0", "24.0"), ("7.0", "17.0"), ("4.0", "9.0"))):  # +15, +10, +5
+        line = f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{pos}"}} '
+        after_text = after_text.replace(line + old, line + new)
+    delta = parse_spec_counters(after_text).minus(before)
+    assert delta.drafts == 20.0 and delta.accepted == 30.0 and dict(delta.per_position) == {0: 15, 1: 10, 2: 5}
+    acc = acceptance(delta, 3)
+    assert acc.mean_acceptance_length == pytest.approx(2.5) and acc.mean_draft_tokens == 3.0
 
 
 def test_acceptance_numbers() -> None:
-    acc = acceptance(parse_spec_counters(TEXT))
+    acc = acceptance(parse_spec_counters(TEXT), 3)
     assert acc.mean_acceptance_length == pytest.approx(1 + 37 / 21)
     assert acc.draft_acceptance_rate == pytest.approx(37 / 63)
     assert acc.per_position_rate == pytest.approx((18 / 21, 12 / 21, 7 / 21))
@@ -71,13 +76,13 @@ def test_no_spec_families_cannot_be_measured() -> None:
     c = parse_spec_counters(text)
     assert not c.present
     with pytest.raises(MeasurementError, match="without speculative decoding"):
-        acceptance(c.minus(c))
+        acceptance(c.minus(c), 3)
 
 
 def test_zero_drafts_cannot_be_measured() -> None:
     c = parse_spec_counters(TEXT)
     with pytest.raises(MeasurementError, match="0 drafts"):
-        acceptance(c.minus(c))
+        acceptance(c.minus(c), 3)
 
 
 def test_garbage_is_rejected() -> None:
