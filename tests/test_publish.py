@@ -30,6 +30,7 @@ from vllm_dflash.report import SCHEMA as REPORT_SCHEMA
 from vllm_dflash.report import key_from_env, seal, write
 from vllm_dflash.validate import metrics
 from vllm_dflash.validate.gates import judge
+from vllm_dflash.validate.promptsets import load_prompts, prompts_digest
 
 PROFILE = "gate-test"
 PROFILE_TABLE = {
@@ -116,10 +117,16 @@ def make_report(
     delta = metrics.parse_spec_counters(metrics_text(accepted))
     acc = metrics.acceptance(delta, prof.num_speculative_tokens)
     verdicts = judge(prof, acc, None)
+    prompts = load_prompts(prof.prompts, prof.num_prompts)
     body: dict[str, Any] = {
         "schema": REPORT_SCHEMA,
         "profile": {"name": prof.name, "sha256": prof.digest, **prof.definition},
-        "server": {"mode": "endpoint", "artifact": {"kind": "wheel", "name": "x.whl", "sha256": wheel_sha}},
+        "prompts": {"set": prof.prompts, "count": len(prompts), "sha256": prompts_digest(prompts)},
+        "exploratory": None,
+        "server": {
+            "mode": "subprocess",
+            "artifact": {"kind": "wheel", "name": "x.whl", "sha256": wheel_sha, "binding": "installed"},
+        },
         "counters": {"delta": delta.as_dict()},
         "acceptance": acc.as_dict(),
         "gates": [v.as_dict() for v in verdicts],

@@ -96,6 +96,7 @@ class ValidationReport:
 
     path: Path
     data: Mapping[str, Any]  # the document exactly as written (the seal covers it)
+    raw: bytes = b""  # the bytes it was read from (what a release attaches: read once, checked, copied)
 
     @property
     def verdict(self) -> str:
@@ -178,7 +179,8 @@ def load(path: Path, key: bytes | None, error: type[DflashError], hint: str = ""
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise error(f"report {path} is not a regular file", hint)
     try:
-        data = loads_strict(path.read_bytes())
+        raw = path.read_bytes()
+        data = loads_strict(raw)
     except OSError as exc:
         raise error(f"cannot read report {path}: {exc.strerror or exc}", hint) from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -197,7 +199,7 @@ def load(path: Path, key: bytes | None, error: type[DflashError], hint: str = ""
     problem = measurement_problem(data)
     if problem is not None:
         raise error(f"report {path} carries numbers no measurement can give: {problem}", hint)
-    return ValidationReport(path=path, data=data)
+    return ValidationReport(path=path, data=data, raw=raw)
 
 
 def measurement_problem(data: Mapping[str, Any]) -> str | None:
