@@ -586,3 +586,151 @@ def test_resolver_reads_pep658_metadata_over_pep691_json(
 def test_no_prompt_set_count_drift() -> None:
     """The fake profile's set is the shipped `chat` set of 12 (the subset test's numbers depend on it)."""
     assert len(load_prompts("chat")) == 12
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Releases: symlinked files refused by verify and publish, a wheel swapped after verify refused by the copy
+
+
+def make_vllm_wheel(dest: Path, body: str = "# ours\n") -> Path:
+    """A small wheel as `vllm-dflash build` shapes it: named vllm, our version, an x86_64 tag, and the provenance
+    document a release needs (the release's documents are computed from it)."""
+    import base64
+
+    from vllm_dflash import provenance as prov
+
+    version, dist = "0.20.1+dflash.1", "vllm-0.20.1+dflash.1.dist-info"
+    doc = prov.Provenance(
+        version=version,
+        upstream=prov.UpstreamRef("0.20.1", "v0.20.1", "https://github.com/vllm-project/vllm.git", "f98b2747f",
+                                  "f98b2747f", "sdist", "vllm-0.20.1.tar.gz", "ab" * 32),
+        fork=prov.ForkRef("dflash/v0.20.1", "a" * 40, "b" * 40),
+        patches=(),
+        build=prov.BuildInfo("vllm-dflash", "0.1.0", "fast", "test", "base.whl", "d" * 64),
+        changed_files=("vllm/__init__.py",),
+    )  # fmt: skip
+    tag = "py3-none-manylinux_2_35_x86_64"
+    files = {
+        "vllm/__init__.py": body.encode(),
+        prov.PATH: doc.dumps() if isinstance(doc.dumps(), bytes) else str(doc.dumps()).encode(),
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n".encode(),
+        f"{dist}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n".encode(),
+    }
+    rows = [
+        f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}"
+        for p, d in files.items()
+    ]
+    dest.mkdir(parents=True, exist_ok=True)
+    wheel = dest / f"vllm-{version}-{tag}.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for p, d in files.items():
+            zf.writestr(p, d)
+        zf.writestr(f"{dist}/RECORD", "\n".join([*rows, f"{dist}/RECORD,,"]) + "\n")
+    return wheel
+
+
+@pytest.fixture
+def release(validated: Callable[..., Path], root: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A release of one x86_64 wheel with a passing report from the fake server (declared binding)."""
+    wheel = make_vllm_wheel(tmp_path / "dist")
+    report = validated(wheel)
+    rel = tmp_path / "release"
+    run = cli(root, "release", wheel, "--out", rel, "--report", report)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert cli(root, "verify", rel).returncode == 0
+    return rel, wheel
+
+
+def publish_release_args(rel: Path) -> tuple[str, ...]:
+    return (str(rel), "--platform", "x86_64", "--accept-declared-binding")
+
+
+def test_release_publishes_its_wheel_under_its_metadata(release: tuple[Path, Path], root: Path, tmp_path: Path) -> None:
+    rel, wheel = release
+    index = tmp_path / "index"
+    run = cli(root, "publish", *publish_release_args(rel), "--to", index)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sha256_file(index / "simple" / "vllm" / wheel.name) == sha256_file(wheel)
+    assert (index / "releases" / "0.20.1+dflash.1" / "SHA256SUMS").read_bytes() == (rel / "SHA256SUMS").read_bytes()
+
+
+def test_symlinked_release_file_is_refused(release: tuple[Path, Path], root: Path, tmp_path: Path) -> None:
+    rel, wheel = release
+    outside = tmp_path / "outside.whl"
+    shutil.copy(rel / wheel.name, outside)  # same bytes: only the link is wrong
+    (rel / wheel.name).unlink()
+    (rel / wheel.name).symlink_to(outside)
+    run = cli(root, "verify", rel)
+    assert run.returncode == 17 and "is a symbolic link" in run.stderr, run.stderr
+    index = tmp_path / "index"
+    before = tree_hash(index)
+    run = cli(root, "publish", *publish_release_args(rel), "--to", index)
+    assert run.returncode == 17 and "is a symbolic link" in run.stderr and tree_hash(index) == before
+    (rel / wheel.name).unlink()
+    shutil.copy(outside, rel / wheel.name)  # negative control: the file itself
+    assert cli(root, "verify", rel).returncode == 0
+
+
+def test_release_wheel_swapped_after_verify_is_refused(
+    release: tuple[Path, Path], root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between `verify` and the copy, the release's wheel is replaced: the copy's own hash refuses it."""
+    import vllm_dflash.publish as pub
+
+    rel, wheel = release
+    real_verify = pub.verify
+    swapped = make_vllm_wheel(tmp_path / "evil", body="# not what was validated\n")
+
+    def verify_then_swap(*args: Any, **kwargs: Any) -> Any:
+        result = real_verify(*args, **kwargs)
+        (rel / wheel.name).unlink()  # after the check, before the copy (a new file: the release hard-links)
+        shutil.copy(swapped, rel / wheel.name)
+        return result
+
+    monkeypatch.setattr(pub, "verify", verify_then_swap)
+    index = tmp_path / "index"
+    before = tree_hash(index)
+    run = cli(root, "publish", *publish_release_args(rel), "--to", index)
+    assert run.returncode == 12 and "changed" in run.stderr, run.stdout + run.stderr
+    assert tree_hash(index) == before
+    monkeypatch.setattr(pub, "verify", real_verify)
+    (rel / wheel.name).unlink()
+    shutil.copy(wheel, rel / wheel.name)  # negative control: the validated bytes back
+    assert cli(root, "publish", *publish_release_args(rel), "--to", index).returncode == 0
+
+
+def test_refused_release_publish_writes_nothing(release: tuple[Path, Path], root: Path, tmp_path: Path) -> None:
+    """Release notes already published with other content: refused before the wheel or a page is written."""
+    rel, _ = release
+    index = tmp_path / "index"
+    notes = index / "releases" / "0.20.1+dflash.1" / "RELEASE-NOTES.md"
+    notes.parent.mkdir(parents=True)
+    notes.write_text("other notes\n")
+    before = tree_hash(index)
+    run = cli(root, "publish", *publish_release_args(rel), "--to", index)
+    assert run.returncode == 12 and "already exists with different content" in run.stderr, run.stderr
+    assert tree_hash(index) == before and not (index / "simple").exists()
+
+
+def test_release_refuses_a_resealed_impossible_report(
+    validated: Callable[..., Path], root: Path, tmp_path: Path
+) -> None:
+    wheel = make_vllm_wheel(tmp_path / "dist")
+    report = validated(wheel)
+
+    def al_40(d: dict[str, Any]) -> None:
+        d["counters"]["delta"].update(num_accepted_tokens=3900.0, num_draft_tokens=3900.0)
+
+    bad = resealed(report, al_40, tmp_path / "bad.json")
+    run = cli(root, "release", wheel, "--out", tmp_path / "rel", "--report", bad)
+    assert run.returncode == 17 and "no measurement can give" in run.stderr, run.stderr
+    assert cli(root, "release", wheel, "--out", tmp_path / "rel", "--report", report).returncode == 0
+    # verify re-checks an attached report too: replace it (and its sum) with the impossible one.
+    rel = tmp_path / "rel"
+    name = next(p.name for p in rel.iterdir() if ".validation-" in p.name)
+    shutil.copy(bad, rel / name)
+    sums = (rel / "SHA256SUMS").read_text().splitlines()
+    fixed = [f"{sha256_file(rel / name)}  {name}" if ln.endswith(f"  {name}") else ln for ln in sums]
+    (rel / "SHA256SUMS").write_text("\n".join(fixed) + "\n")
+    run = cli(root, "verify", rel)
+    assert run.returncode == 17 and "no measurement can give" in run.stderr, run.stderr

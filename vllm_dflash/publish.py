@@ -14,6 +14,7 @@ before the first byte is written: a refused publish leaves the destination as it
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -28,7 +29,7 @@ from vllm_dflash import report as reports
 from vllm_dflash.errors import ContainerError, DflashError, NetworkError, PublishRefusedError, ToolchainError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest, Profile
-from vllm_dflash.paths import bare_name, ensure_dir, storage_error, sweep_stale, temp_sibling
+from vllm_dflash.paths import bare_name, storage_error, sweep_stale, temp_sibling
 from vllm_dflash.release import layout
 from vllm_dflash.release.verify import VerifyOptions, VerifyResult, verify
 from vllm_dflash.report import ValidationReport
@@ -108,8 +109,7 @@ def check_gate(
 
 def _check_prompts(rep: ValidationReport, profile: Profile, report_path: Path) -> None:
     """The report measured the profile's own prompt set, all of it (its gate is defined on that set)."""
-    from vllm_dflash.validate.promptsets import profile_prompts, prompts_digest
-    from vllm_dflash.validate.smoke import own_prompt_set
+    from vllm_dflash.validate.promptsets import own_prompt_set, profile_prompts, prompts_digest
 
     hint = f"validate again with profile '{profile.name}' as it stands (no --prompts, no --num-prompts)"
     if rep.exploratory:
@@ -439,27 +439,47 @@ def publish_release(
             assert d.wheel is not None
             read_wheel_meta(d.wheel)
 
-    # Writing: each copy hashed as it is written and compared with SHA256SUMS.
-    if idx is not None:
-        for p in planned:
-            idx.write(p)
+    # Writing: every copy (wheels and release files) staged and hashed first, then all renamed into place.
+    staged = idx.stage(*planned) if idx is not None else None
+    parts: list[tuple[Path, Path]] = []
+    made_dirs = [p for p in (files_dir.parent, files_dir) if not p.exists()]
+    try:
+        for new_dir in made_dirs:
+            new_dir.mkdir(exist_ok=True)
+        for path in others:
+            dest = files_dir / path.name
+            if not (dest.is_file() and sha256_file(dest) == digests.get(path.name)):
+                parts.append((_stage_release_file(path, dest, digests[path.name]), dest))
+    except BaseException as exc:
+        for part, _ in parts:
+            part.unlink(missing_ok=True)
+        for new_dir in reversed(made_dirs):
+            with contextlib.suppress(OSError):
+                new_dir.rmdir()
+        if staged is not None and idx is not None:
+            idx.abort(staged)
+        if isinstance(exc, OSError):
+            raise storage_error(exc, files_dir, "write") from None
+        raise
+    if staged is not None and idx is not None:
+        idx.commit(staged)
         destination = idx.simple.as_uri()
     else:
         for d in chosen:
             assert d.wheel is not None
             publish_wheel_twine(d.wheel, to, d.sha256)
         destination = to
-    ensure_dir(files_dir)
-    sweep_stale(files_dir)
-    for path in others:
-        _copy_release_file(path, files_dir / path.name, digests[path.name])
+    try:
+        sweep_stale(files_dir)
+        for part, dest in parts:
+            os.replace(part, dest)
+    except OSError as exc:
+        raise storage_error(exc, files_dir, "write") from None
     return ReleasePublished(plan=plan, index=destination, files_dir=files_dir)
 
 
-def _copy_release_file(src: Path, dest: Path, sha256: str) -> None:
-    """Copy through a hidden temporary, hashing the bytes written; they must be the ones SHA256SUMS lists."""
-    if dest.is_file() and sha256_file(dest) == sha256:
-        return
+def _stage_release_file(src: Path, dest: Path, sha256: str) -> Path:
+    """Copy to a hidden part beside `dest`, hashing the bytes written; they must be the ones SHA256SUMS lists."""
     tmp = temp_sibling(dest, ".part")
     try:
         h = hashlib.sha256()
@@ -472,8 +492,7 @@ def _copy_release_file(src: Path, dest: Path, sha256: str) -> None:
                 f"{src} changed after it was verified: its bytes are not the ones SHA256SUMS lists",
                 "verify and publish the release again",
             )
-        os.replace(tmp, dest)
-    except OSError as exc:
-        raise storage_error(exc, dest, "write") from None
-    finally:
+    except BaseException:
         tmp.unlink(missing_ok=True)
+        raise
+    return tmp

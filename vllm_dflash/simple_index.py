@@ -132,6 +132,16 @@ class PlannedWheel:
     present: bool  # the same file is already published (nothing to copy)
 
 
+@dataclass
+class Staged:
+    """Wheels copied beside their final names, not yet renamed into place."""
+
+    planned: tuple[PlannedWheel, ...]
+    pdirs: list[Path]
+    created: list[Path]  # directories the staging created (removed again on abort)
+    parts: list[tuple[Path, Path]]  # (part, final name)
+
+
 class LocalIndex:
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -168,30 +178,62 @@ class LocalIndex:
                 present = present or what == "wheel"
         return PlannedWheel(source, sha256, meta, dict(record), present)
 
-    def write(self, planned: PlannedWheel) -> Path:
-        """Copy the wheel (hashing what is written), its metadata and record, then the pages. Returns its path."""
-        meta = planned.meta
-        pdir = self.project_dir(meta.project)
-        created = not pdir.exists()
+    def write(self, *planned: PlannedWheel) -> list[Path]:
+        """Publish planned wheels (stage, then commit)."""
+        return self.commit(self.stage(*planned))
+
+    def stage(self, *planned: PlannedWheel) -> Staged:
+        """Copy each wheel to a hidden `.part` beside its final name, hashed as it is written. Any refused copy
+        removes every part and every directory this call created: the index is as it was."""
+        pdirs = sorted({self.project_dir(p.meta.project) for p in planned})
+        created = [d for d in (self.root, self.simple, *pdirs) if not d.exists()]
+        staged = Staged(planned, pdirs, created, [])
         try:
-            pdir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise storage_error(exc, pdir, "create") from None
-        sweep_stale(pdir)  # a killed earlier run's `.part`
-        dest = pdir / meta.filename
+            for d in created:
+                d.mkdir(exist_ok=True)
+            for p in planned:
+                dest = self.project_dir(p.meta.project) / p.meta.filename
+                if not p.present:
+                    staged.parts.append((self._stage(p.source, dest, p.sha256, p.meta), dest))
+        except BaseException as exc:
+            self.abort(staged)
+            if isinstance(exc, OSError):
+                raise storage_error(exc, self.simple, "write the index in") from None
+            raise
+        return staged
+
+    def abort(self, staged: Staged) -> None:
+        for part, _ in staged.parts:
+            with contextlib.suppress(OSError):
+                part.unlink()
+        for d in reversed(staged.created):
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only when empty: what this run created and nothing else
+
+    def commit(self, staged: Staged) -> list[Path]:
+        """Rename the parts into place, then write the metadata files, records and pages."""
+        out: list[Path] = []
         try:
-            if not planned.present:
-                self._copy_verified(planned.source, dest, planned.sha256, meta, created)
-            self._write_file(dest.with_name(dest.name + METADATA_SUFFIX), meta.metadata)
-            record = json.dumps(dict(planned.record), indent=2, sort_keys=True, allow_nan=False) + "\n"
-            self._write_file(dest.with_name(dest.name + RECORD_SUFFIX), record.encode())
-            self._project_pages(meta.project)
+            for d in staged.pdirs:
+                sweep_stale(d)  # a killed earlier run's `.part` (never one of ours: our pid is alive)
+            for part, dest in staged.parts:
+                os.replace(part, dest)
+            for p in staged.planned:
+                dest = self.project_dir(p.meta.project) / p.meta.filename
+                self._write_file(dest.with_name(dest.name + METADATA_SUFFIX), p.meta.metadata)
+                record = json.dumps(dict(p.record), indent=2, sort_keys=True, allow_nan=False) + "\n"
+                self._write_file(dest.with_name(dest.name + RECORD_SUFFIX), record.encode())
+                out.append(dest)
+            for d in staged.pdirs:
+                self._project_pages(d.name)
             self._root_pages()
         except OSError as exc:
-            raise storage_error(exc, pdir, "write the index in") from None
-        return dest
+            raise storage_error(exc, self.simple, "write the index in") from None
+        return out
 
-    def _copy_verified(self, source: Path, dest: Path, sha256: str, meta: WheelMeta, created: bool) -> None:
+    def _stage(self, source: Path, dest: Path, sha256: str, meta: WheelMeta) -> Path:
+        """Copy `source` to a hidden part beside `dest`; refused (part removed) unless its bytes hash to `sha256`
+        and say the same METADATA as planned."""
         part = temp_sibling(dest, ".part")
         h = hashlib.sha256()
         try:
@@ -201,24 +243,18 @@ class LocalIndex:
                     out.write(chunk)
                 out.flush()
                 os.fsync(out.fileno())
-            refusal = None
             if h.hexdigest() != sha256:
-                refusal = PublishRefusedError(
+                raise PublishRefusedError(
                     f"{source} changed: the bytes copied have sha256 {h.hexdigest()}, not the validated {sha256}",
                     "publish again from an untouched copy of the validated wheel",
                 )
-            elif read_wheel_meta(part, meta.filename) != meta:  # the very bytes published say the same
-                refusal = PublishRefusedError(f"{source} changed while it was published", "publish it again")
-            if refusal is not None:
-                raise refusal
-            os.replace(part, dest)
+            if read_wheel_meta(part, meta.filename) != meta:  # the very bytes published say the same
+                raise PublishRefusedError(f"{source} changed while it was published", "publish it again")
         except BaseException:
             with contextlib.suppress(OSError):
-                part.unlink(missing_ok=True)
-            if created:
-                with contextlib.suppress(OSError):
-                    dest.parent.rmdir()  # only when empty: what this run created and nothing else
+                part.unlink()
             raise
+        return part
 
     @staticmethod
     def _write_file(path: Path, data: bytes) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_dflash.errors import ManifestError
+from vllm_dflash.manifest import Profile
 from vllm_dflash.report import canonical_json
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
@@ -103,6 +104,11 @@ def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
 
 def prompts_digest(prompts: Sequence[Prompt]) -> str:
     return hashlib.sha256(canonical_json([[p.id, p.text] for p in prompts])).hexdigest()
+
+
+def own_prompt_set(profile: Profile) -> str:
+    """The prompt set as the profile's table names it (a placeholder such as `@mini` stays the placeholder)."""
+    return str(profile.definition.get("prompts", profile.prompts))
 
 
 def profile_prompts(name: str, num_prompts: int | None) -> list[Prompt] | None:

@@ -25,7 +25,7 @@ from vllm_dflash.errors import MeasurementError
 from vllm_dflash.manifest import Profile
 from vllm_dflash.validate import metrics
 from vllm_dflash.validate.gates import Verdict, judge
-from vllm_dflash.validate.promptsets import Prompt, load_prompts, profile_prompts, prompts_digest
+from vllm_dflash.validate.promptsets import Prompt, load_prompts, own_prompt_set, profile_prompts, prompts_digest
 from vllm_dflash.validate.render import render
 from vllm_dflash.validate.server import (
     ContainerOptions,
@@ -409,11 +409,6 @@ def validate(
     if show:
         render(report)
     return ValidationResult(report=report, report_path=report_path, exit_code=code)
-
-
-def own_prompt_set(profile: Profile) -> str:
-    """The prompt set as the profile's table names it (a placeholder such as `@mini` stays the placeholder)."""
-    return str(profile.definition.get("prompts", profile.prompts))
 
 
 def exploratory_reason(profile: Profile, sent_set: str, count: int, full_count: int | None) -> str | None:
