@@ -230,6 +230,7 @@ def test_plausible_server_passes(fake: tuple[str, Fake], root: Path, tmp_path: P
     run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--report", report)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "verdict: pass (AL 2.500)" in run.stdout and error_lines(run) == []
+    assert "3.00 of k = 3" in run.stdout and "max_num_seqs 8, concurrency 4" in run.stdout  # the table says so
     data = loads_strict(report.read_bytes())
     assert data["acceptance"]["mean_draft_tokens_per_draft"] == 3.0 and data["drafts_cut"] is None
     assert [g["gate"] for g in data["gates"]] == ["min_acceptance_length", "draft_fill"]
@@ -652,6 +653,8 @@ def test_release_publishes_its_wheel_under_its_metadata(release: tuple[Path, Pat
     assert run.returncode == 0, run.stdout + run.stderr
     assert sha256_file(index / "simple" / "vllm" / wheel.name) == sha256_file(wheel)
     assert (index / "releases" / "0.20.1+dflash.1" / "SHA256SUMS").read_bytes() == (rel / "SHA256SUMS").read_bytes()
+    notes = (rel / "RELEASE-NOTES.md").read_text()
+    assert "| x86_64 | gate-fake | 2.50 |" in notes and "| chat x 12 | declared | pass |" in notes
 
 
 def test_symlinked_release_file_is_refused(release: tuple[Path, Path], root: Path, tmp_path: Path) -> None:

@@ -246,7 +246,7 @@ def test_subprocess_mode_launches_measures_baseline_and_stops(
     assert run.returncode == 0, run.stdout + run.stderr
     data = json.loads(report.read_text())
     assert data["server"]["mode"] == "subprocess"
-    assert data["server"]["artifact"]["binding"] == "installed-files-match-wheel-record"
+    assert data["server"]["artifact"]["binding"] == "installed"
     base = data["baseline"]
     assert base["speedup"] > 0 and 0.0 <= base["lossless_match_rate"] <= 1.0
     print(f"speedup {base['speedup']:.3f}, lossless match rate {base['lossless_match_rate']:.3f}")

@@ -33,9 +33,13 @@ def render(report: Mapping[str, Any], console: Any = None) -> None:
         ("accepted tokens", _count(counters.get("num_accepted_tokens"))),
         ("mean acceptance length", _fmt(acc.get("mean_acceptance_length"))),
         ("draft acceptance rate", _fmt(acc.get("draft_acceptance_rate"))),
+        ("draft tokens per draft", _draft_fill(acc)),
+        ("serving", _serving(report.get("serving") or {})),
         ("speedup vs no-spec", _fmt(base.get("speedup"))),
         ("lossless match rate", _fmt(base.get("lossless_match_rate"))),
     ]
+    if report.get("exploratory"):
+        rows.append(("publishable", f"no, exploratory: {report['exploratory']}"))
     for key, value in rows:
         summary.add_row(key, "-" if value is None else str(value))
     console.print(summary)
@@ -106,6 +110,29 @@ def side_by_side(report: Mapping[str, Any]) -> list[tuple[Any, ...]]:
              rc.get("num_accepted_tokens"), median("al_reference"), "= target greedy")
         )  # fmt: skip
     return rows
+
+
+def _draft_fill(acc: Mapping[str, Any]) -> str | None:
+    mean, k = acc.get("mean_draft_tokens_per_draft"), acc.get("num_speculative_tokens")
+    if not isinstance(mean, int | float) or not k:
+        return None
+    return f"{mean:.2f} of k = {k}" + ("" if mean >= k else " (vLLM cut the drafts)")
+
+
+def _serving(s: Mapping[str, Any]) -> str | None:
+    """The serving conditions in one cell ('default': vLLM's own, the flag was not given)."""
+    if not s:
+        return None
+
+    def v(key: str) -> str:
+        value = s.get(key)
+        return "default" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+    return (
+        f"max_num_seqs {v('max_num_seqs')}, concurrency {v('concurrency')}, batched tokens "
+        f"{v('max_num_batched_tokens')}, chunked prefill {v('chunked_prefill')}, prefix caching "
+        f"{v('prefix_caching')}, TP {v('tensor_parallel_size')}, dtype {v('dtype')}"
+    )
 
 
 def _count(value: Any) -> Any:
