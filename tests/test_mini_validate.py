@@ -85,7 +85,7 @@ def test_three_numbers_side_by_side_and_the_gates(patched: Run) -> None:
         assert word in patched.stdout
     # The report names the exact wheel, bound by its installed files.
     art = r["server"]["artifact"]
-    assert art["binding"] == "installed-files-match-wheel-record" and art["name"] == patched.wheel().name
+    assert art["binding"] == "installed" and art["name"] == patched.wheel().name
     assert load(patched.report_path, None, PublishRefusedError).verdict == "pass"
 
 
