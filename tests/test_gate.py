@@ -737,3 +737,12 @@ def test_release_refuses_a_resealed_impossible_report(
     (rel / "SHA256SUMS").write_text("\n".join(fixed) + "\n")
     run = cli(root, "verify", rel)
     assert run.returncode == 17 and "no measurement can give" in run.stderr, run.stderr
+
+
+def test_publish_report_that_is_no_regular_file_is_refused(root: Path, tmp_path: Path) -> None:
+    wheel = make_wheel(tmp_path / "w")
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)  # reading it would wait forever
+    index = tmp_path / "index"
+    publish_refused(root, index, wheel, "--report", fifo, words="is not a regular file")
+    publish_refused(root, index, wheel, "--report", tmp_path, words="is not a regular file")
