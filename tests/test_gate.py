@@ -79,6 +79,7 @@ class Fake:
     before: str = ZERO
     after: str = GOOD
     version: str | None = None  # /version (None: 404)
+    endless_metrics: bool = False  # /metrics streams without end
     scrapes: int = 0
     paths: list[str] = field(default_factory=list)
 
@@ -107,6 +108,16 @@ def fake() -> Iterator[tuple[str, Fake]]:
             elif self.path == "/v1/models":
                 doc = {"object": "list", "data": [{"id": "tiny", "object": "model", "created": 0, "owned_by": "t"}]}
                 self._send(200, json.dumps(doc).encode())
+            elif self.path == "/metrics" and state.endless_metrics:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.end_headers()
+                line = b"# HELP filler a comment line, forever\n" * 1000
+                try:
+                    while True:
+                        self.wfile.write(line)
+                except OSError:  # the client hung up: what the test wants
+                    return
             elif self.path == "/metrics":
                 text = state.before if state.scrapes == 0 else state.after
                 state.scrapes += 1
@@ -215,6 +226,13 @@ def test_impossible_measurements_exit_2_with_their_own_line(
     assert "Traceback" not in run.stderr
     data = loads_strict(report.read_bytes())  # strict JSON, no NaN/Infinity anywhere
     assert data["verdict"] == "error" and data["acceptance"] is None
+
+
+def test_endless_metrics_are_refused(fake: tuple[str, Fake], root: Path, tmp_path: Path) -> None:
+    url, state = fake
+    state.endless_metrics = True
+    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--report", tmp_path / "r.json", "--quiet")
+    assert run.returncode == 2 and "answered more than 32 MiB" in run.stderr, run.stderr
 
 
 def test_impossible_lines_are_distinct() -> None:

@@ -29,6 +29,9 @@ ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 GENERATION_TOKENS = "vllm:generation_tokens"
 SPEC_FAMILIES = (DRAFTS, DRAFT_TOKENS, ACCEPTED, ACCEPTED_PER_POS)
 _MALFORMED_HINT = "this is not what a vLLM server exports; point --endpoint at a vLLM server"
+# A vLLM /metrics page is well under a MiB (a few hundred families, histograms per engine); a server sending more is
+# not one, and an endless answer must not be read without end.
+MAX_METRICS_BYTES = 32 << 20
 # Counters are integers carried as floats; sums of a few engines' counts stay exact far beyond any run's size.
 _EPS = 1e-6
 
@@ -172,7 +175,13 @@ def scrape(base_url: str, timeout_s: float = 30.0) -> SpecCounters:
     url = base_url.rstrip("/") + "/metrics"
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            text = resp.read().decode()
+            raw = resp.read(MAX_METRICS_BYTES + 1)
+        if len(raw) > MAX_METRICS_BYTES:
+            raise MeasurementError(
+                f"{url} answered more than {MAX_METRICS_BYTES >> 20} MiB: not a vLLM /metrics page",
+                "point --endpoint at a vLLM server",
+            )
+        text = raw.decode()
     except (urllib.error.URLError, TimeoutError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise MeasurementError(

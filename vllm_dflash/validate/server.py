@@ -129,7 +129,7 @@ def http_get(url: str, timeout_s: float = 10.0) -> tuple[int, bytes]:
     """Status and body of a GET; (0, b'') when nothing answers."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return int(resp.status), resp.read()
+            return int(resp.status), resp.read(1 << 20)  # /health and /version are a few bytes: never read on
     except urllib.error.HTTPError as exc:
         return int(exc.code), b""
     except (urllib.error.URLError, TimeoutError, OSError):
