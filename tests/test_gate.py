@@ -243,7 +243,9 @@ def test_impossible_lines_are_distinct() -> None:
 
 def test_plausible_server_passes(fake: tuple[str, Fake], root: Path, tmp_path: Path) -> None:
     """Negative control of the matrix: the same fake server with counts a vLLM can produce."""
-    url, _ = fake
+    url, state = fake
+    info = 'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0"} 1.0\n'
+    state.before = "# TYPE vllm:cache_config_info gauge\n" + info + ZERO
     report = tmp_path / "r.json"
     run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--report", report)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -256,6 +258,11 @@ def test_plausible_server_passes(fake: tuple[str, Fake], root: Path, tmp_path: P
     serving = data["serving"]
     assert (serving["max_num_seqs"], serving["max_num_batched_tokens"], serving["concurrency"]) == (8, 512, 4)
     assert serving["source"].startswith("declared by the profile")
+    assert serving["observed_in_metrics"] == {
+        "enable_prefix_caching": "True",
+        "block_size": "16",
+        "cache_dtype": "auto",
+    }
     assert data["server"]["artifact"]["binding"] == "none"  # no --wheel named: nothing to publish
 
 

@@ -27,6 +27,8 @@ DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 GENERATION_TOKENS = "vllm:generation_tokens"
+CACHE_CONFIG_INFO = "vllm:cache_config_info"  # a gauge whose labels are the engine's CacheConfig fields
+OBSERVED_CACHE_FIELDS = ("enable_prefix_caching", "block_size", "cache_dtype")
 SPEC_FAMILIES = (DRAFTS, DRAFT_TOKENS, ACCEPTED, ACCEPTED_PER_POS)
 _MALFORMED_HINT = "this is not what a vLLM server exports; point --endpoint at a vLLM server"
 # A vLLM /metrics page is well under a MiB (a few hundred families, histograms per engine); a server sending more is
@@ -49,6 +51,8 @@ class SpecCounters:
     per_position: Mapping[int, float] = field(default_factory=dict)
     generation_tokens: float = 0.0
     present: bool = False
+    # What the server says of its own cache config (vllm:cache_config_info labels): observed, not declared.
+    observed: Mapping[str, str] = field(default_factory=dict)
 
     def named(self) -> dict[str, float]:
         """Every counter by a readable name (what a message about one of them says)."""
@@ -134,7 +138,12 @@ def parse_spec_counters(text: str) -> SpecCounters:
         raise MeasurementError(
             f"/metrics is not Prometheus text format: {exc}", "check that the URL is a vLLM server"
         ) from None
+    observed: dict[str, str] = {}
     for family in families:
+        if family.name == CACHE_CONFIG_INFO and family.samples:
+            labels = family.samples[0].labels
+            observed = {k: str(labels[k]) for k in OBSERVED_CACHE_FIELDS if k in labels}
+            continue
         # vLLM declares its counters as `<name>_total` (the parser strips that suffix); a family declared without
         # TYPE keeps it. Either way the family is the same counter.
         name = family.name.removesuffix("_total")
@@ -167,6 +176,7 @@ def parse_spec_counters(text: str) -> SpecCounters:
         per_position=per_pos,
         generation_tokens=totals.get(GENERATION_TOKENS, 0.0),
         present=present,
+        observed=observed,
     )
 
 

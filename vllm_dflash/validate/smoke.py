@@ -365,6 +365,7 @@ def validate(
         acc = metrics.acceptance(delta, profile.num_speculative_tokens)
         body["acceptance"] = acc.as_dict()
         serving = body["serving"]
+        serving["observed_in_metrics"] = dict(m.before.observed) or None
         cut = metrics.cut_drafts_line(acc, serving["max_num_seqs"], serving["max_num_batched_tokens"])
         body["drafts_cut"] = cut
         match_rate = None
