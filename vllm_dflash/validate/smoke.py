@@ -2,8 +2,11 @@
 
 Serve a profile's target + drafter (or use a running server), send the profile's prompts through the
 OpenAI-compatible API, and read the drafter's acceptance from the difference of two `/metrics` scrapes. The report
-(JSON, sealed so edits show) is what `vllm-dflash publish` demands. Exit 0: every gate passed; 1: a gate failed;
-2: acceptance could not be measured (server failed, no speculation, zero drafts) -- never a pass without drafts.
+(strict JSON, sealed so edits show) is what `vllm-dflash publish` demands. Exit 0: every gate passed; 1: a gate
+failed; 2: acceptance could not be measured (server failed, no speculation, zero drafts, counters no vLLM can
+produce: metrics.py) -- never a pass without drafts. This module runs the prompts and assembles the report; the
+prompt sets are in promptsets.py, the gates in gates.py, the serving conditions in serving.py, the tables in
+render.py.
 """
 
 from __future__ import annotations
