@@ -269,14 +269,26 @@ def budget_floor(k: int, max_num_seqs: int) -> int:
 
 
 def cut_drafts_line(acc: Acceptance, max_num_seqs: int | None, budget: int | None) -> str | None:
-    """One line when vLLM drafted fewer than k tokens per draft on average (its token budget cut them)."""
+    """One line when vLLM drafted fewer than k tokens per draft on average (its token budget cut them), saying which
+    serve argument to raise and to what, from k and max_num_seqs (as the serve args state them; None: not given)."""
     k = acc.num_speculative_tokens
     if k <= 0 or acc.mean_draft_tokens >= k - _EPS:
         return None
-    seqs = f"max_num_seqs {max_num_seqs}" if max_num_seqs is not None else "max_num_seqs (not known here)"
-    want = f" to at least {budget_floor(k, max_num_seqs)} (2 x k x max_num_seqs)" if max_num_seqs else ""
-    now = f", now {budget}" if budget is not None else ""
+    said = f"vLLM cut the drafts: {acc.mean_draft_tokens:.2f} of k = {k} draft tokens per draft on average"
+    if max_num_seqs is None:
+        return (
+            f"{said}; raise --max-num-batched-tokens to at least 2 x k x max_num_seqs ({2 * k} per sequence, "
+            f"{budget_floor(k, 1024)} for vLLM's default of up to 1024), or set a lower --max-num-seqs"
+        )
+    floor = budget_floor(k, max_num_seqs)
+    if budget is not None and budget >= floor:
+        return (
+            f"{said}, although the profile's --max-num-batched-tokens {budget} is at least 2 x k x max_num_seqs = "
+            f"{floor}: the server runs with other settings than the profile's; serve it with "
+            f"--max-num-batched-tokens >= {floor} (--max-num-seqs {max_num_seqs})"
+        )
+    now = f" (now {budget})" if budget is not None else " (not set: vLLM's default applies)"
     return (
-        f"vLLM cut the drafts: {acc.mean_draft_tokens:.2f} of k = {k} draft tokens per draft on average ({seqs}); "
-        f"raise --max-num-batched-tokens{want}{now}, or lower --max-num-seqs"
+        f"{said}; raise --max-num-batched-tokens to at least 2 x k x max_num_seqs = {floor}{now}, or lower "
+        f"--max-num-seqs below {max_num_seqs}"
     )
