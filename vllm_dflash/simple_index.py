@@ -278,13 +278,17 @@ class LocalIndex:
         versions: set[str] = set()
         for f in self._files(pdir):
             meta_path = f.with_name(f.name + METADATA_SUFFIX)
-            meta = read_wheel_meta(f)
-            versions.add(meta.version)
+            try:
+                meta: WheelMeta | None = read_wheel_meta(f)
+            except PublishRefusedError:
+                meta = None  # a file put there by hand, not by publish: listed, but nothing read from it
+            if meta is not None:
+                versions.add(meta.version)
             sha = _sha256(f)
             attrs: dict[str, str] = {}
             entry: dict[str, Any] = {"filename": f.name, "url": f.name, "hashes": {"sha256": sha}}
             entry["size"] = f.stat().st_size
-            if meta.requires_python:
+            if meta is not None and meta.requires_python:
                 attrs["data-requires-python"] = meta.requires_python
                 entry["requires-python"] = meta.requires_python
             if meta_path.is_file():
