@@ -60,8 +60,13 @@ def identify(artifact: str, container_tool: str = "docker") -> ArtifactId:
     """A wheel file (by its sha256) or a container image reference (by its image ID)."""
     path = Path(artifact)
     if artifact.endswith(".whl"):
-        if not path.is_file():
+        if not path.exists():
             raise PublishRefusedError(f"{artifact} does not exist", "pass the wheel file that was validated")
+        if not path.is_file():
+            raise PublishRefusedError(
+                f"{artifact} is not a regular file (a directory, FIFO or device)",
+                "pass the wheel file that was validated",
+            )
         return ArtifactId(kind="wheel", name=path.name, sha256=sha256_file(path), path=path)
     from vllm_dflash.validate.server import image_id
 
