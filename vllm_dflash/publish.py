@@ -33,7 +33,7 @@ from vllm_dflash.paths import bare_name, storage_error, sweep_stale, temp_siblin
 from vllm_dflash.release import layout
 from vllm_dflash.release.verify import VerifyOptions, VerifyResult, verify
 from vllm_dflash.report import ValidationReport
-from vllm_dflash.simple_index import LocalIndex, normalize, read_wheel_meta, real_dir
+from vllm_dflash.simple_index import LocalIndex, copy_hashed, normalize, read_wheel_meta, real_dir
 
 __all__ = ["normalize"]  # re-exported (the index's name rule lives in simple_index)
 
@@ -246,14 +246,10 @@ def publish_wheel_twine(wheel: Path, url: str, sha256: str | None = None) -> Non
     with tempfile.TemporaryDirectory(prefix="vllm-dflash-upload-") as tmp:
         # twine uploads this private copy, whose bytes were hashed as they were copied.
         copy = Path(tmp) / wheel.name
-        h = hashlib.sha256()
-        with wheel.open("rb") as src, copy.open("wb") as out:
-            while chunk := src.read(1 << 20):
-                h.update(chunk)
-                out.write(chunk)
-        if h.hexdigest() != want:
+        got = copy_hashed(wheel, copy)
+        if got != want:
             raise PublishRefusedError(
-                f"{wheel} changed: its bytes have sha256 {h.hexdigest()}, not the validated {want}",
+                f"{wheel} changed: its bytes have sha256 {got}, not the validated {want}",
                 "publish again from an untouched copy of the validated wheel",
             )
         proc.call(
@@ -487,12 +483,7 @@ def _stage_release_file(src: Path, dest: Path, sha256: str) -> Path:
     """Copy to a hidden part beside `dest`, hashing the bytes written; they must be the ones SHA256SUMS lists."""
     tmp = temp_sibling(dest, ".part")
     try:
-        h = hashlib.sha256()
-        with src.open("rb") as fin, tmp.open("wb") as out:
-            while chunk := fin.read(1 << 20):
-                h.update(chunk)
-                out.write(chunk)
-        if h.hexdigest() != sha256:
+        if copy_hashed(src, tmp) != sha256:
             raise PublishRefusedError(
                 f"{src} changed after it was verified: its bytes are not the ones SHA256SUMS lists",
                 "verify and publish the release again",

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dflash.errors import PublishRefusedError
+from vllm_dflash.fetch import sha256_file
 from vllm_dflash.paths import storage_error, sweep_stale, temp_sibling
 
 JSON_TYPE = "application/vnd.pypi.simple.v1+json"
@@ -113,11 +114,15 @@ def real_dir(path: Path, what: str) -> None:
         raise PublishRefusedError(f"{what} {path} is not a directory", f"move {path} away")
 
 
-def _sha256(path: Path) -> str:
+def copy_hashed(source: Path, dest: Path) -> str:
+    """Copy `source` to `dest` (created), returning the sha256 of the bytes actually written, synced to disk."""
     h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(_CHUNK):
+    with source.open("rb") as src, dest.open("wb") as out:
+        while chunk := src.read(_CHUNK):
             h.update(chunk)
+            out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
     return h.hexdigest()
 
 
@@ -170,7 +175,7 @@ class LocalIndex:
             if path.is_symlink() or (path.exists() and not path.is_file()):
                 raise PublishRefusedError(f"{path} is not a regular file", f"remove {path} from the index")
             if path.exists():
-                if _sha256(path) != want:
+                if sha256_file(path) != want:
                     raise PublishRefusedError(
                         f"{path} already exists with different content",
                         "published files are immutable; bump the version",
@@ -235,17 +240,11 @@ class LocalIndex:
         """Copy `source` to a hidden part beside `dest`; refused (part removed) unless its bytes hash to `sha256`
         and say the same METADATA as planned."""
         part = temp_sibling(dest, ".part")
-        h = hashlib.sha256()
         try:
-            with source.open("rb") as src, part.open("wb") as out:
-                while chunk := src.read(_CHUNK):
-                    h.update(chunk)
-                    out.write(chunk)
-                out.flush()
-                os.fsync(out.fileno())
-            if h.hexdigest() != sha256:
+            got = copy_hashed(source, part)
+            if got != sha256:
                 raise PublishRefusedError(
-                    f"{source} changed: the bytes copied have sha256 {h.hexdigest()}, not the validated {sha256}",
+                    f"{source} changed: the bytes copied have sha256 {got}, not the validated {sha256}",
                     "publish again from an untouched copy of the validated wheel",
                 )
             if read_wheel_meta(part, meta.filename) != meta:  # the very bytes published say the same
@@ -284,7 +283,7 @@ class LocalIndex:
                 meta = None  # a file put there by hand, not by publish: listed, but nothing read from it
             if meta is not None:
                 versions.add(meta.version)
-            sha = _sha256(f)
+            sha = sha256_file(f)
             attrs: dict[str, str] = {}
             entry: dict[str, Any] = {"filename": f.name, "url": f.name, "hashes": {"sha256": sha}}
             entry["size"] = f.stat().st_size
