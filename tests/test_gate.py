@@ -161,8 +161,10 @@ def root(tmp_path: Path, repo_root: Path) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _no_report_key(monkeypatch: pytest.MonkeyPatch) -> None:
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No report key from the environment, and a private cwd: a default report path lands in tmp, never the repo."""
     monkeypatch.delenv("VLLM_DFLASH_REPORT_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)
 
 
 def cli(root: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -289,7 +291,8 @@ def test_token_budget_below_the_floor_is_refused_at_parse_time(root: Path, tmp_p
     assert run.returncode == 3 and "below 2 x k x max_num_seqs = 48" in run.stderr, run.stderr
     doc["profiles"][PROFILE]["serve_args"] = ["--max-num-seqs", "8", "--max-num-batched-tokens", "48"]  # type: ignore[index]
     (root / "dist.toml").write_text(tomlkit.dumps(doc))
-    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", "http://127.0.0.1:9", "--health-timeout", "1")
+    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", "http://127.0.0.1:9", "--health-timeout", "1",
+              "--report", tmp_path / "r.json")  # fmt: skip
     assert run.returncode == 2 and "/health did not answer" in run.stderr  # got past the manifest
 
 
