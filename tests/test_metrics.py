@@ -46,21 +46,26 @@ def test_parse_sums_engines_and_ignores_created() -> None:
 
 def test_acceptance_of_a_delta() -> None:
     before = parse_spec_counters(TEXT)
-    after = parse_spec_counters(
-        TEXT.replace(
-            'num_drafts_total{engine="0",model_name="m"} 10.0', 'num_drafts_total{engine="0",model_name="m"} 30.0'
-        ).replace(
-            'accepted_tokens_total{engine="0",model_name="m"} 20.0',
-            'accepted_tokens_total{engine="0",model_name="m"} 50.0',
-        )
-    )
-    delta = after.minus(before)
-    assert delta.drafts == 20.0 and delta.accepted == 30.0
-    assert acceptance(delta).mean_acceptance_length == pytest.approx(2.5)
+
+    def bump(text: str, family: str, old: str, new: str) -> str:
+        line = f'{family}{{engine="0",model_name="m"}} '
+        assert line + old in text
+        return text.replace(line + old, line + new)
+
+    after_text = bump(TEXT, "vllm:spec_decode_num_drafts_total", "10.0", "30.0")  # +20 drafts
+    after_text = bump(after_text, "vllm:spec_decode_num_draft_tokens_total", "30.0", "90.0")  # +60 = 20 x 3
+    after_text = bump(after_text, "vllm:spec_decode_num_accepted_tokens_total", "20.0", "50.0")  # +30
+    for pos, (old, new) in enumerate((("9.0", "24.0"), ("7.0", "17.0"), ("4.0", "9.0"))):  # +15, +10, +5
+        line = f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{pos}"}} '
+        after_text = after_text.replace(line + old, line + new)
+    delta = parse_spec_counters(after_text).minus(before)
+    assert delta.drafts == 20.0 and delta.accepted == 30.0 and dict(delta.per_position) == {0: 15, 1: 10, 2: 5}
+    acc = acceptance(delta, 3)
+    assert acc.mean_acceptance_length == pytest.approx(2.5) and acc.mean_draft_tokens == 3.0
 
 
 def test_acceptance_numbers() -> None:
-    acc = acceptance(parse_spec_counters(TEXT))
+    acc = acceptance(parse_spec_counters(TEXT), 3)
     assert acc.mean_acceptance_length == pytest.approx(1 + 37 / 21)
     assert acc.draft_acceptance_rate == pytest.approx(37 / 63)
     assert acc.per_position_rate == pytest.approx((18 / 21, 12 / 21, 7 / 21))
@@ -71,15 +76,50 @@ def test_no_spec_families_cannot_be_measured() -> None:
     c = parse_spec_counters(text)
     assert not c.present
     with pytest.raises(MeasurementError, match="without speculative decoding"):
-        acceptance(c.minus(c))
+        acceptance(c.minus(c), 3)
 
 
 def test_zero_drafts_cannot_be_measured() -> None:
     c = parse_spec_counters(TEXT)
     with pytest.raises(MeasurementError, match="0 drafts"):
-        acceptance(c.minus(c))
+        acceptance(c.minus(c), 3)
 
 
 def test_garbage_is_rejected() -> None:
     with pytest.raises(MeasurementError, match="not Prometheus text"):
         parse_spec_counters("<html>not metrics</html>{{{")
+
+
+def test_cut_drafts_line_says_what_to_raise() -> None:
+    from vllm_dflash.validate.metrics import Acceptance, cut_drafts_line
+
+    cut = Acceptance(2.0, 0.5, (), mean_draft_tokens=4.2, num_speculative_tokens=7)
+    assert cut_drafts_line(cut, 8, 32) == (
+        "vLLM cut the drafts: 4.20 of k = 7 draft tokens per draft on average; raise --max-num-batched-tokens to at "
+        "least 2 x k x max_num_seqs = 112 (now 32), or lower --max-num-seqs below 8"
+    )
+    assert "(not set: vLLM's default applies)" in (cut_drafts_line(cut, 8, None) or "")
+    assert "14 per sequence, 14336 for vLLM's default" in (cut_drafts_line(cut, None, 32) or "")
+    assert "runs with other settings" in (cut_drafts_line(cut, 8, 112) or "")
+    full = Acceptance(2.0, 0.5, (), mean_draft_tokens=7.0, num_speculative_tokens=7)
+    assert cut_drafts_line(full, 8, 32) is None  # negative control: all k drafted, nothing to say
+
+
+def test_impossible_counts_and_their_valid_twins() -> None:
+    """count_problem (what validate, publish, release and verify apply): each bad delta next to the same made valid."""
+    from vllm_dflash.validate.metrics import count_problem
+
+    ok = {"drafts": 10, "draft_tokens": 30, "accepted": 12, "per_position": {0: 6, 1: 4, 2: 2}}
+    assert count_problem(**ok, k=3) is None
+    bad = {
+        "accepted beyond k": ({**ok, "draft_tokens": 40, "accepted": 40, "per_position": {}}, "exceed 10 drafts x k"),
+        "non-finite": ({**ok, "accepted": float("inf")}, "not a finite count"),
+        "negative": ({**ok, "drafts": -1}, "not a finite count"),
+        "bool": ({**ok, "drafts": True}, "not a finite count"),
+        "rising": ({**ok, "per_position": {0: 4, 1: 6, 2: 2}}, "more tokens accepted at position 1"),
+        "sum": ({**ok, "per_position": {0: 6, 1: 4, 2: 1}}, "sum to 11"),
+        "outside": ({**ok, "per_position": {0: 6, 1: 4, 3: 2}}, "outside 0..2"),
+    }
+    for name, (counts, words) in bad.items():
+        problem = count_problem(**counts, k=3)
+        assert problem is not None and words in problem, (name, problem)

@@ -79,13 +79,14 @@ def test_three_numbers_side_by_side_and_the_gates(patched: Run) -> None:
     assert {g["gate"]: g["passed"] for g in r["gates"]} == {
         "min_acceptance_length": True,
         "reference_acceptance_length": True,
+        "draft_fill": True,  # vLLM drafted all k tokens every time (no token-budget cut)
         "min_match_rate": True,
     }
     for word in ("stock", "validated", "reference loop"):
         assert word in patched.stdout
     # The report names the exact wheel, bound by its installed files.
     art = r["server"]["artifact"]
-    assert art["binding"] == "installed-files-match-wheel-record" and art["name"] == patched.wheel().name
+    assert art["binding"] == "installed" and art["name"] == patched.wheel().name
     assert load(patched.report_path, None, PublishRefusedError).verdict == "pass"
 
 

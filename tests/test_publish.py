@@ -29,7 +29,8 @@ from vllm_dflash.report import KEY_ENV as REPORT_KEY_ENV
 from vllm_dflash.report import SCHEMA as REPORT_SCHEMA
 from vllm_dflash.report import key_from_env, seal, write
 from vllm_dflash.validate import metrics
-from vllm_dflash.validate.smoke import judge
+from vllm_dflash.validate.gates import judge
+from vllm_dflash.validate.promptsets import load_prompts, prompts_digest
 
 PROFILE = "gate-test"
 PROFILE_TABLE = {
@@ -52,10 +53,19 @@ vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="tiny"} 300.0
 vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="tiny"} ACCEPTED
 # HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
 # TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"} 60.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="1"} 40.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="2"} 20.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"} POS0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="1"} POS1
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="2"} POS2
 """
+
+
+def metrics_text(accepted: float) -> str:
+    """METRICS_TEXT with `accepted` tokens spread over the 3 positions as a drafter accepts them (3:2:1)."""
+    text = METRICS_TEXT.replace("ACCEPTED", repr(float(accepted)))
+    for pos, share in enumerate((3, 2, 1)):
+        text = text.replace(f"POS{pos}", repr(accepted * share / 6))
+    return text
+
 
 # Ignore this machine's pip configuration (extra indexes, find-links): install from our index only.
 ISOLATED_PIP = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
@@ -104,13 +114,19 @@ def make_report(
 ) -> Path:
     """A report built by the validator's own code paths (counters -> acceptance -> gates -> seal -> write)."""
     prof = load_manifest(root).profiles[profile]
-    delta = metrics.parse_spec_counters(METRICS_TEXT.replace("ACCEPTED", str(accepted)))
-    acc = metrics.acceptance(delta)
+    delta = metrics.parse_spec_counters(metrics_text(accepted))
+    acc = metrics.acceptance(delta, prof.num_speculative_tokens)
     verdicts = judge(prof, acc, None)
+    prompts = load_prompts(prof.prompts, prof.num_prompts)
     body: dict[str, Any] = {
         "schema": REPORT_SCHEMA,
         "profile": {"name": prof.name, "sha256": prof.digest, **prof.definition},
-        "server": {"mode": "endpoint", "artifact": {"kind": "wheel", "name": "x.whl", "sha256": wheel_sha}},
+        "prompts": {"set": prof.prompts, "count": len(prompts), "sha256": prompts_digest(prompts)},
+        "exploratory": None,
+        "server": {
+            "mode": "subprocess",
+            "artifact": {"kind": "wheel", "name": "x.whl", "sha256": wheel_sha, "binding": "installed"},
+        },
         "counters": {"delta": delta.as_dict()},
         "acceptance": acc.as_dict(),
         "gates": [v.as_dict() for v in verdicts],

@@ -185,7 +185,10 @@ def test_publish_validated_wheel_then_pip_installs(
 ) -> None:
     _, report, _, _ = passing_run
     index = tmp_path / "index"
+    # An endpoint's report binds the wheel only by the version it declares: publish asks for the explicit flag.
     pub = publish_cli(checkout, cpu_wheel, "--to", index.as_uri(), "--report", report)
+    assert pub.returncode == 12 and "binding 'declared'" in pub.stderr and not index.exists(), pub.stderr
+    pub = publish_cli(checkout, cpu_wheel, "--to", index.as_uri(), "--report", report, "--accept-declared-binding")
     assert pub.returncode == 0, pub.stdout + pub.stderr
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
@@ -246,7 +249,7 @@ def test_subprocess_mode_launches_measures_baseline_and_stops(
     assert run.returncode == 0, run.stdout + run.stderr
     data = json.loads(report.read_text())
     assert data["server"]["mode"] == "subprocess"
-    assert data["server"]["artifact"]["binding"] == "installed-files-match-wheel-record"
+    assert data["server"]["artifact"]["binding"] == "installed"
     base = data["baseline"]
     assert base["speedup"] > 0 and 0.0 <= base["lossless_match_rate"] <= 1.0
     print(f"speedup {base['speedup']:.3f}, lossless match rate {base['lossless_match_rate']:.3f}")

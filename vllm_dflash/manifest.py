@@ -34,6 +34,11 @@ _PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_-]+)*$", 
 MANIFEST_LIMIT = 1 * MIB  # dist.toml is ~6 KB; a megabyte is no manifest
 VERSION_LIMIT = 1 * KIB
 DEFAULT_HEALTH_TIMEOUT_S = 900.0
+DEFAULT_DRAFT_FILL = 0.99
+# vLLM 0.20's `vllm serve` defaults when a flag is not given, worst case over GPUs (arg_utils get_batch_defaults:
+# >= 70 GiB non-A100 GPUs get max_num_seqs 1024; smaller ones 2048 batched tokens).
+VLLM_DEFAULT_MAX_NUM_SEQS = 1024
+VLLM_DEFAULT_MAX_BATCHED_TOKENS = 2048
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -114,7 +119,19 @@ class Profile:
     serve: str = "given"  # "given" (the wheel/image/endpoint the user names) | "cpu-builds" (built by the tool)
     reference_tolerance: float | None = None  # gate: AL >= tolerance x the reference loop's AL (same run)
     compare_stock: bool = False  # also serve the stock build of the pin and report its AL beside ours
+    # Publishable only on the whole set: a report on fewer prompts than this is exploratory (default: every prompt
+    # the profile sends, i.e. its set cut to num_prompts).
+    min_prompts: int | None = None
+    # Gate: mean draft tokens per draft >= min_draft_fill x k. Default for dflash (which always drafts a full block
+    # unless vLLM's token budget cuts it): DEFAULT_DRAFT_FILL; other methods are not gated unless set.
+    min_draft_fill: float | None = None
     definition: Mapping[str, Any] = field(default_factory=dict)  # the table as written, for the digest
+
+    @property
+    def draft_fill_floor(self) -> float | None:
+        if self.min_draft_fill is not None:
+            return self.min_draft_fill
+        return DEFAULT_DRAFT_FILL if self.method == "dflash" else None
 
     @property
     def model_name(self) -> str:
@@ -327,6 +344,8 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "serve": (str,),
     "reference_tolerance": (int, float),
     "compare_stock": (bool,),
+    "min_prompts": (int,),
+    "min_draft_fill": (int, float),
 }
 SERVE_MODES = ("given", "cpu-builds")
 
@@ -384,7 +403,57 @@ def parse_profile(name: str, table: Any, origin: str = MANIFEST_NAME, root: Path
             f"{origin}: profile '{name}': concurrency, max_tokens and num_speculative_tokens must be >= 1",
             "fix the profile",
         )
+    for key in ("num_prompts", "min_prompts"):
+        value = table.get(key)
+        if value is not None and value < 1:
+            raise ManifestError(f"{origin}: [{where}].{key} must be >= 1", f"fix [{where}].{key}")
+    fill = profile.min_draft_fill
+    if fill is not None and not 0 <= fill <= 1:
+        raise ManifestError(f"{origin}: [{where}].min_draft_fill must be within 0..1", f"fix [{where}].min_draft_fill")
+    if profile.method == "dflash" and profile.serve == "given":
+        _check_token_budget(profile, origin)
     return profile
+
+
+def serve_flag(args: Sequence[str], flag: str) -> str | None:
+    """The value of `--flag V` or `--flag=V` in serve args (the last one wins, as argparse does); None if absent."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(flag + "="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def serve_int(args: Sequence[str], flag: str, where: str) -> int | None:
+    value = serve_flag(args, flag)
+    if value is None:
+        return None
+    if not value.isascii() or not value.isdigit() or int(value) < 1:
+        raise ManifestError(f"{where}: serve_args {flag} {value!r} is not a positive integer", f"fix {flag}")
+    return int(value)
+
+
+def _check_token_budget(profile: Profile, origin: str) -> None:
+    """DFlash reserves (k-1) x max_num_seqs scheduler slots, and below about 2k x max_num_seqs batched tokens a decode
+    step silently gets fewer draft tokens (measured on CPU: AL 5.06 -> 1.91): a served profile must clear that."""
+    where = f"{origin}: profile '{profile.name}'"
+    k = profile.num_speculative_tokens
+    seqs = serve_int(profile.serve_args, "--max-num-seqs", where)
+    budget = serve_int(profile.serve_args, "--max-num-batched-tokens", where)
+    eff_seqs = seqs if seqs is not None else VLLM_DEFAULT_MAX_NUM_SEQS
+    eff_budget = budget if budget is not None else VLLM_DEFAULT_MAX_BATCHED_TOKENS
+    floor = 2 * k * eff_seqs
+    if eff_budget < floor:
+        seqs_said = f"--max-num-seqs {seqs}" if seqs is not None else f"max_num_seqs {eff_seqs} (vLLM's default)"
+        budget_said = f"--max-num-batched-tokens {budget}" if budget is not None else f"vLLM's default {eff_budget}"
+        raise ManifestError(
+            f"{where}: {budget_said} is below 2 x k x max_num_seqs = {floor} (k = {k}, {seqs_said}): vLLM would "
+            "cut the drafts of decode steps",
+            f"set --max-num-batched-tokens to at least {floor} in serve_args, or lower --max-num-seqs to "
+            f"{max(1, eff_budget // (2 * k))}",
+        )
 
 
 def parse_profiles(tables: Any, origin: str = MANIFEST_NAME, root: Path | None = None) -> dict[str, Profile]:

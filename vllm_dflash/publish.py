@@ -2,20 +2,24 @@
 or a whole release directory (`publish RELEASE_DIR --to DIR`), where every platform's wheel needs its own report.
 
 The gate has no override. It demands a report that (1) verifies against its seal (and HMAC when
-$VLLM_DFLASH_REPORT_KEY is set), (2) says "pass", (3) names this exact artifact -- the wheel file's sha256 or the
-image's content ID -- and (4) comes from a profile the manifest lists in [publish].required_profiles, with the very
-definition the manifest holds now. Wheels go to a local PEP 503 index (a directory or file:// URL) or to an upload
-URL via twine; images are tagged and pushed with the container tool.
+$VLLM_DFLASH_REPORT_KEY is set) and carries only numbers a measurement can give, (2) says "pass", (3) names this
+exact artifact -- the wheel file's sha256 or the image's content ID --, (4) comes from a profile the manifest lists
+in [publish].required_profiles, with the very definition the manifest holds now, (5) measured that profile's own
+prompt set, all of it (not an exploratory run), and (6) binds the served code to the artifact by `installed` or
+`image`; a `declared` binding (an endpoint) passes only with the explicit flag, which the index records. Wheels are
+published under the name and version of their own METADATA (simple_index), to a local index (a directory or
+file:// URL) or an upload URL via twine; images are tagged and pushed with the container tool. Every check happens
+before the first byte is written: a refused publish leaves the destination as it was.
 """
 
 from __future__ import annotations
 
-import html
+import contextlib
+import hashlib
 import os
-import re
-import shutil
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -24,11 +28,14 @@ from vllm_dflash import proc
 from vllm_dflash import report as reports
 from vllm_dflash.errors import ContainerError, DflashError, NetworkError, PublishRefusedError, ToolchainError
 from vllm_dflash.fetch import sha256_file
-from vllm_dflash.manifest import Manifest
-from vllm_dflash.paths import copy_atomic, temp_sibling, write_text_atomic
+from vllm_dflash.manifest import Manifest, Profile
+from vllm_dflash.paths import bare_name, storage_error, sweep_stale, temp_sibling
 from vllm_dflash.release import layout
 from vllm_dflash.release.verify import VerifyOptions, VerifyResult, verify
 from vllm_dflash.report import ValidationReport
+from vllm_dflash.simple_index import LocalIndex, copy_hashed, normalize, read_wheel_meta, real_dir
+
+__all__ = ["normalize"]  # re-exported (the index's name rule lives in simple_index)
 
 _REFUSE_HINT = "run `vllm-dflash validate` on a GPU node for this artifact and pass its report with --report"
 
@@ -53,8 +60,13 @@ def identify(artifact: str, container_tool: str = "docker") -> ArtifactId:
     """A wheel file (by its sha256) or a container image reference (by its image ID)."""
     path = Path(artifact)
     if artifact.endswith(".whl"):
-        if not path.is_file():
+        if not path.exists():
             raise PublishRefusedError(f"{artifact} does not exist", "pass the wheel file that was validated")
+        if not path.is_file():
+            raise PublishRefusedError(
+                f"{artifact} is not a regular file (a directory, FIFO or device)",
+                "pass the wheel file that was validated",
+            )
         return ArtifactId(kind="wheel", name=path.name, sha256=sha256_file(path), path=path)
     from vllm_dflash.validate.server import image_id
 
@@ -65,7 +77,9 @@ def identify(artifact: str, container_tool: str = "docker") -> ArtifactId:
     return ArtifactId(kind="image", name=artifact, sha256=digest)
 
 
-def check_gate(report_path: Path | None, artifact: ArtifactId, manifest: Manifest) -> ValidationReport:
+def check_gate(
+    report_path: Path | None, artifact: ArtifactId, manifest: Manifest, accept_declared: bool = False
+) -> ValidationReport:
     """The report, when it allows publishing `artifact`; PublishRefusedError (one line each) otherwise."""
     if report_path is None:
         raise PublishRefusedError(f"no validation report given for {artifact.name}", _REFUSE_HINT)
@@ -93,7 +107,76 @@ def check_gate(report_path: Path | None, artifact: ArtifactId, manifest: Manifes
             f"report was made with a different definition of profile '{profile}' than dist.toml now holds",
             "validate again with the manifest's profile",
         )
+    _check_prompts(rep, current, report_path)
+    _check_binding(rep, report_path, accept_declared)
     return rep
+
+
+def _check_prompts(rep: ValidationReport, profile: Profile, report_path: Path) -> None:
+    """The report measured the profile's own prompt set, all of it (its gate is defined on that set)."""
+    from vllm_dflash.validate.promptsets import own_prompt_set, profile_prompts, prompts_digest
+
+    hint = f"validate again with profile '{profile.name}' as it stands (no --prompts, no --num-prompts)"
+    if rep.exploratory:
+        raise PublishRefusedError(f"report {report_path} is exploratory, not publishable: {rep.exploratory}", hint)
+    sent = rep.prompts
+    own = own_prompt_set(profile)
+    if sent.get("set") != own:
+        raise PublishRefusedError(
+            f"report {report_path} measured prompt set {sent.get('set')!r}, not the profile's {own!r}", hint
+        )
+    try:
+        want = profile_prompts(own, profile.num_prompts)
+    except DflashError as exc:
+        raise PublishRefusedError(
+            f"cannot read the prompt set of profile '{profile.name}': {exc.message}", exc.hint
+        ) from None
+    minimum = profile.min_prompts if profile.min_prompts is not None else (len(want) if want is not None else None)
+    count = sent.get("count")
+    if not isinstance(count, int) or isinstance(count, bool) or (minimum is not None and count < minimum):
+        raise PublishRefusedError(
+            f"report {report_path} measured {count!r} prompts; the profile's gate is defined on {minimum}", hint
+        )
+    if want is not None and sent.get("sha256") != prompts_digest(want[:count]):
+        raise PublishRefusedError(
+            f"report {report_path}'s prompts (sha256 {str(sent.get('sha256'))[:16]}…) are not the first {count} of "
+            f"the profile's set {own!r}",
+            hint,
+        )
+
+
+def _check_binding(rep: ValidationReport, report_path: Path, accept_declared: bool) -> None:
+    from vllm_dflash.validate.server import BINDING_DECLARED, BINDING_IMAGE, BINDING_INSTALLED
+
+    binding = rep.binding
+    if binding in (BINDING_INSTALLED, BINDING_IMAGE):
+        return
+    if binding == BINDING_DECLARED:
+        if accept_declared:
+            return
+        raise PublishRefusedError(
+            f"report {report_path} binds the artifact only by what its endpoint declared (binding 'declared': "
+            "validate did not start that server, it only saw the wheel's version at /version)",
+            "validate with --python or --image so validate launches the server itself, or pass "
+            "--accept-declared-binding (recorded in the index)",
+        )
+    raise PublishRefusedError(
+        f"report {report_path} has binding {binding!r}, which ties no served code to the artifact",
+        "validate with --python/--wheel or --image",
+    )
+
+
+def publish_record(rep: ValidationReport, accept_declared: bool) -> dict[str, object]:
+    """What the index keeps beside a published wheel: which report let it in, and on what binding."""
+    return {
+        "report": rep.path.name,
+        "report_sha256": hashlib.sha256(rep.raw).hexdigest() if rep.raw else None,
+        "profile": rep.profile_name,
+        "acceptance_length": rep.acceptance_length,
+        "binding": rep.binding,
+        "declared_binding_accepted": accept_declared and rep.binding == "declared",
+        "prompts": {k: rep.prompts.get(k) for k in ("set", "count", "sha256")},
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -138,77 +221,49 @@ def _local_dir(to: str) -> Path | None:
     return path
 
 
-def normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+def publish_wheel_local(
+    wheel: Path, root: Path, sha256: str | None = None, record: Mapping[str, object] | None = None
+) -> Path:
+    """Add `wheel` to the local index under `root` (simple_index: PEP 503 + 691 + 658); returns its `simple/` path.
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    write_text_atomic(path, text)
-
-
-def _page(title: str, links: list[tuple[str, str]]) -> str:
-    items = "\n".join(f'    <a href="{html.escape(href)}">{html.escape(text)}</a><br/>' for href, text in links)
-    return (
-        '<!DOCTYPE html>\n<html>\n  <head><meta name="pypi:repository-version" content="1.0">'
-        f"<title>{html.escape(title)}</title></head>\n  <body>\n{items}\n  </body>\n</html>\n"
-    )
-
-
-def publish_wheel_local(wheel: Path, root: Path) -> Path:
-    """Add `wheel` to the PEP 503 simple index under `root` (root/simple/<project>/); returns the index URL path.
-
-    Files already published are immutable: the same name with other content is refused, as PyPI does.
+    The copy must hash to `sha256` (default: the file's hash now). Files already published are immutable: the same
+    name with other content is refused, as PyPI does. Every check happens before the first byte is written.
     """
-    from packaging.utils import parse_wheel_filename
-
-    project = normalize(str(parse_wheel_filename(wheel.name)[0]))
-    simple = root / "simple"
-    pdir = simple / project
-    pdir.mkdir(parents=True, exist_ok=True)
-    dest = pdir / wheel.name
-    digest = sha256_file(wheel)
-    if dest.exists():
-        if sha256_file(dest) != digest:
-            raise PublishRefusedError(
-                f"{dest} already exists with different content", "published files are immutable; bump the version"
-            )
-    else:
-        part = temp_sibling(pdir / wheel.name, ".part")
-        try:
-            shutil.copyfile(wheel, part)
-            if sha256_file(part) != digest:
-                raise PublishRefusedError(f"copy of {wheel.name} to {pdir} is corrupt", "check the disk and retry")
-            os.replace(part, dest)
-        finally:
-            part.unlink(missing_ok=True)
-    files = sorted(p for p in pdir.iterdir() if p.is_file() and not p.name.startswith(".") and p.name != "index.html")
-    _write_atomic(
-        pdir / "index.html",
-        _page(f"Links for {project}", [(f"{f.name}#sha256={sha256_file(f)}", f.name) for f in files]),
-    )
-    projects = sorted(d.name for d in simple.iterdir() if d.is_dir())
-    _write_atomic(simple / "index.html", _page("Simple index", [(f"{p}/", p) for p in projects]))
-    return simple
+    idx = LocalIndex(root)
+    planned = idx.plan(wheel, sha256 or sha256_file(wheel), record or {})
+    idx.write(planned)
+    return idx.simple
 
 
-def publish_wheel_twine(wheel: Path, url: str) -> None:
+def publish_wheel_twine(wheel: Path, url: str, sha256: str | None = None) -> None:
     """Upload with twine (credentials from TWINE_USERNAME / TWINE_PASSWORD, never from the command line)."""
     import importlib.util
 
     if importlib.util.find_spec("twine") is None:
         raise ToolchainError("twine is not installed", "pip install twine")
-    proc.call(
-        sys.executable,
-        "-m",
-        "twine",
-        "upload",
-        "--non-interactive",
-        "--repository-url",
-        url,
-        wheel,
-        error=NetworkError,
-        hint="twine's reason is above; check the URL and TWINE_USERNAME / TWINE_PASSWORD",
-    )
+    read_wheel_meta(wheel)  # the name and version it is uploaded under are its METADATA's
+    want = sha256 or sha256_file(wheel)
+    with tempfile.TemporaryDirectory(prefix="vllm-dflash-upload-") as tmp:
+        # twine uploads this private copy, whose bytes were hashed as they were copied.
+        copy = Path(tmp) / wheel.name
+        got = copy_hashed(wheel, copy)
+        if got != want:
+            raise PublishRefusedError(
+                f"{wheel} changed: its bytes have sha256 {got}, not the validated {want}",
+                "publish again from an untouched copy of the validated wheel",
+            )
+        proc.call(
+            sys.executable,
+            "-m",
+            "twine",
+            "upload",
+            "--non-interactive",
+            "--repository-url",
+            url,
+            copy,
+            error=NetworkError,
+            hint="twine's reason is above; check the URL and TWINE_USERNAME / TWINE_PASSWORD",
+        )
 
 
 def publish_image(image: str, to: str, tool: str) -> None:
@@ -218,20 +273,26 @@ def publish_image(image: str, to: str, tool: str) -> None:
 
 
 def publish(
-    manifest: Manifest, artifact: str, to: str, report: Path | None, container_tool: str = "docker"
+    manifest: Manifest,
+    artifact: str,
+    to: str,
+    report: Path | None,
+    container_tool: str = "docker",
+    accept_declared: bool = False,
 ) -> PublishResult:
     """Gate, then publish. Nothing is written anywhere unless the gate passes."""
     local = None if not artifact.endswith(".whl") else _local_dir(to)  # the destination first: before any work
     ident = identify(artifact, container_tool)
-    rep = check_gate(report, ident, manifest)
+    rep = check_gate(report, ident, manifest, accept_declared)
     assert report is not None
     if ident.kind == "wheel":
         assert ident.path is not None
         if local is not None:
-            index = publish_wheel_local(ident.path, local.resolve())
+            record = {**publish_record(rep, accept_declared), "sha256": ident.sha256}
+            index = publish_wheel_local(ident.path, local.resolve(), ident.sha256, record)
             destination = index.as_uri()
         else:
-            publish_wheel_twine(ident.path, to)
+            publish_wheel_twine(ident.path, to, ident.sha256)
             destination = to
     else:
         publish_image(ident.name, to, container_tool)
@@ -281,6 +342,7 @@ def publish_plan(
     manifest: Manifest,
     platforms: Sequence[str] | None = None,
     options: VerifyOptions | None = None,
+    accept_declared: bool = False,
 ) -> PublishPlan:
     """Verify the release (VerifyError, exit 17, when it does not), then decide per platform.
 
@@ -303,7 +365,7 @@ def publish_plan(
         chosen: PlatformDecision | None = None
         for rep in w.reports:
             try:
-                passed = check_gate(release_dir / rep.name, ident, manifest)
+                passed = check_gate(release_dir / rep.name, ident, manifest, accept_declared)
             except DflashError as exc:
                 reasons.append(f"{rep.name}: {exc.message}")
                 continue
@@ -330,6 +392,7 @@ def publish_release(
     to: str,
     platforms: Sequence[str] | None = None,
     attach_to: Path | None = None,
+    accept_declared: bool = False,
 ) -> ReleasePublished:
     """Publish a verified release: every platform's wheel with its passing report (any platform without one refuses
     the whole release), then the release's other files (sums, SBOMs, statements, signatures, notes, reports).
@@ -338,7 +401,7 @@ def publish_release(
     `releases/<version>/`; an upload URL gets the wheels through twine, and `attach_to` the release files.
     """
     local = _local_dir(to)  # the destination first: before any work
-    plan = publish_plan(release_dir, manifest, platforms)
+    plan = publish_plan(release_dir, manifest, platforms, accept_declared=accept_declared)
     plan.require_all()
     if local is None and attach_to is None:
         raise PublishRefusedError(
@@ -346,22 +409,86 @@ def publish_release(
             "pass --attach-to DIR for those files (or publish to a directory index)",
         )
     version = plan.release.wheels[0].version if plan.release.wheels else "unknown"
-    files_dir = (local / "releases" / version) if local is not None else attach_to
+    bare_name(version, "release version", PublishRefusedError)
+    root = local.resolve() if local is not None else None
+    files_dir = (root / "releases" / version) if root is not None else attach_to
     assert files_dir is not None
-    wheels = [d.wheel for d in plan.decisions if d.wheel is not None]
-    if local is not None:
-        for wheel in wheels:
-            index = publish_wheel_local(wheel, local.resolve())
-        destination = index.as_uri()
-    else:
-        for wheel in wheels:
-            publish_wheel_twine(wheel, to)
-        destination = to
-    for path in plan.files:
-        if path.suffix == ".whl":
-            continue
+    digests = plan.release.digests
+
+    # Every check before the first byte is written.
+    if root is not None:
+        real_dir(root / "releases", "index directory")
+    real_dir(files_dir, "release files directory")
+    others = [p for p in plan.files if p.suffix != ".whl"]
+    for path in others:
         dest = files_dir / path.name
-        if dest.exists() and dest.read_bytes() != path.read_bytes():
+        if dest.is_symlink() or (dest.exists() and not dest.is_file()):
+            raise PublishRefusedError(f"{dest} is not a regular file", f"remove {dest}")
+        if dest.exists() and sha256_file(dest) != digests.get(path.name):
             raise PublishRefusedError(f"{dest} already exists with different content", "published files are immutable")
-        copy_atomic(path, dest)
+    chosen = [d for d in plan.decisions if d.wheel is not None]
+    idx = LocalIndex(root) if root is not None else None
+    planned = []
+    if idx is not None:
+        for d in chosen:
+            assert d.wheel is not None and d.sha256 is not None and d.report is not None
+            rep = reports.load(d.report, reports.key_from_env(), PublishRefusedError, _REFUSE_HINT)
+            record = {**publish_record(rep, accept_declared), "sha256": d.sha256}
+            planned.append(idx.plan(d.wheel, d.sha256, record))
+    else:
+        for d in chosen:
+            assert d.wheel is not None
+            read_wheel_meta(d.wheel)
+
+    # Writing: every copy (wheels and release files) staged and hashed first, then all renamed into place.
+    staged = idx.stage(*planned) if idx is not None else None
+    parts: list[tuple[Path, Path]] = []
+    made_dirs = [p for p in (files_dir.parent, files_dir) if not p.exists()]
+    try:
+        for new_dir in made_dirs:
+            new_dir.mkdir(exist_ok=True)
+        for path in others:
+            dest = files_dir / path.name
+            if not (dest.is_file() and sha256_file(dest) == digests.get(path.name)):
+                parts.append((_stage_release_file(path, dest, digests[path.name]), dest))
+    except BaseException as exc:
+        for part, _ in parts:
+            part.unlink(missing_ok=True)
+        for new_dir in reversed(made_dirs):
+            with contextlib.suppress(OSError):
+                new_dir.rmdir()
+        if staged is not None and idx is not None:
+            idx.abort(staged)
+        if isinstance(exc, OSError):
+            raise storage_error(exc, files_dir, "write") from None
+        raise
+    if staged is not None and idx is not None:
+        idx.commit(staged)
+        destination = idx.simple.as_uri()
+    else:
+        for d in chosen:
+            assert d.wheel is not None
+            publish_wheel_twine(d.wheel, to, d.sha256)
+        destination = to
+    try:
+        sweep_stale(files_dir)
+        for part, dest in parts:
+            os.replace(part, dest)
+    except OSError as exc:
+        raise storage_error(exc, files_dir, "write") from None
     return ReleasePublished(plan=plan, index=destination, files_dir=files_dir)
+
+
+def _stage_release_file(src: Path, dest: Path, sha256: str) -> Path:
+    """Copy to a hidden part beside `dest`, hashing the bytes written; they must be the ones SHA256SUMS lists."""
+    tmp = temp_sibling(dest, ".part")
+    try:
+        if copy_hashed(src, tmp) != sha256:
+            raise PublishRefusedError(
+                f"{src} changed after it was verified: its bytes are not the ones SHA256SUMS lists",
+                "verify and publish the release again",
+            )
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp

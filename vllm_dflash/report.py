@@ -60,10 +60,22 @@ def seal_problem(report: Mapping[str, Any], key: bytes | None = None) -> str | N
     return None
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def loads_strict(raw: bytes | str) -> Any:
+    """JSON as RFC 8259 has it: NaN, Infinity and -Infinity (which Python's json accepts) are refused."""
+    return json.loads(raw, parse_constant=_no_constant)
+
+
 def write(report: Mapping[str, Any], path: Path, key: bytes | None = None) -> None:
-    """Write a sealed report atomically, after checking that what is written verifies."""
-    text = json.dumps(report, indent=2, sort_keys=True) + "\n"
-    problem = seal_problem(json.loads(text), key)
+    """Write a sealed report atomically, after checking that what is written is strict JSON and verifies."""
+    try:
+        text = json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    except ValueError as exc:
+        raise DflashError(f"report for {path} holds a number JSON cannot carry ({exc})", "report this") from None
+    problem = seal_problem(loads_strict(text), key)
     if problem is not None:
         raise DflashError(f"report for {path} does not verify before writing: {problem}", "report this")
     write_text_atomic(path, text)
@@ -84,6 +96,7 @@ class ValidationReport:
 
     path: Path
     data: Mapping[str, Any]  # the document exactly as written (the seal covers it)
+    raw: bytes = b""  # the bytes it was read from (what a release attaches: read once, checked, copied)
 
     @property
     def verdict(self) -> str:
@@ -123,6 +136,20 @@ class ValidationReport:
         return float(al) if isinstance(al, int | float) else None
 
     @property
+    def binding(self) -> str:
+        return str(self.artifact.get("binding") or "none")
+
+    @property
+    def prompts(self) -> Mapping[str, Any]:
+        found = self.data.get("prompts")
+        return found if isinstance(found, Mapping) else {}
+
+    @property
+    def exploratory(self) -> str | None:
+        why = self.data.get("exploratory")
+        return str(why) if why else None
+
+    @property
     def gates(self) -> tuple[Gate, ...]:
         out: list[Gate] = []
         for g in self.data.get("gates") or []:
@@ -154,12 +181,15 @@ def load(path: Path, key: bytes | None, error: type[DflashError], hint: str = ""
     """Read a report and check its schema and seal; any problem is one `error` line (never another exception)."""
     from vllm_dflash.paths import read_bounded
 
+    if path.is_symlink():
+        raise error(f"report {path} is a symbolic link, not a regular file", hint or "pass the report file itself")
     try:
-        data = json.loads(read_bounded(path, REPORT_LIMIT, "report", error, hint))
+        raw = read_bounded(path, REPORT_LIMIT, "report", error, hint)
+        data = loads_strict(raw)
     except OSError as exc:
         raise error(f"cannot read report {path}: {exc.strerror or exc}", hint) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise error(f"report {path} is not JSON: {exc}", hint) from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise error(f"report {path} is not strict JSON: {exc}", hint) from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise error(f"{path} is not a vllm-dflash validation report", hint)
     problem = seal_problem(data, key)
@@ -171,4 +201,44 @@ def load(path: Path, key: bytes | None, error: type[DflashError], hint: str = ""
     gates = data.get("gates")
     if not isinstance(gates, Sequence) or isinstance(gates, str):
         raise error(f"report {path} has no list of gates", hint)
-    return ValidationReport(path=path, data=data)
+    problem = measurement_problem(data)
+    if problem is not None:
+        raise error(f"report {path} carries numbers no measurement can give: {problem}", hint)
+    return ValidationReport(path=path, data=data, raw=raw)
+
+
+def measurement_problem(data: Mapping[str, Any]) -> str | None:
+    """None when a report's numbers are ones validate can have measured; else what is impossible about them.
+
+    The same rules validate applies to /metrics (metrics.count_problem) run again on the counter delta the report
+    carries, and its AL must be the one that delta gives: a report re-sealed after an edit (with a valid key, even)
+    still cannot carry an impossible number. Reports that measured nothing (verdict error) carry no numbers.
+    """
+    from vllm_dflash.validate.metrics import count_problem
+
+    if data.get("verdict") not in ("pass", "fail"):
+        return None
+    k = (data.get("profile") or {}).get("num_speculative_tokens")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        return "its profile states no num_speculative_tokens >= 1"
+    delta = (data.get("counters") or {}).get("delta") if isinstance(data.get("counters"), Mapping) else None
+    if not isinstance(delta, Mapping):
+        return "it has no counter delta"
+    raw_pos = delta.get("num_accepted_tokens_per_pos") or {}
+    if not isinstance(raw_pos, Mapping) or not all(isinstance(p, str) and p.isascii() and p.isdigit() for p in raw_pos):
+        return "its per-position counts are not keyed by draft position"
+    per_pos = {int(p): v for p, v in raw_pos.items()}
+    drafts, draft_tokens, accepted = (delta.get(n) for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+    problem = count_problem(drafts, draft_tokens, accepted, per_pos, k)
+    if problem is not None:
+        return problem
+    acc = data.get("acceptance")
+    al = acc.get("mean_acceptance_length") if isinstance(acc, Mapping) else None
+    assert isinstance(accepted, int | float) and isinstance(drafts, int | float)  # count_problem checked both
+    want = 1.0 + accepted / drafts
+    if not isinstance(al, int | float) or abs(al - want) > 1e-9 * want:
+        return f"its AL {al!r} is not the {want:.6f} its counters give"
+    for g in data.get("gates") or []:
+        if isinstance(g, Mapping) and g.get("gate") == "min_acceptance_length" and g.get("value") != al:
+            return f"its min_acceptance_length gate judged {g.get('value')!r}, not the AL {al!r}"
+    return None

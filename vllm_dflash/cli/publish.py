@@ -33,6 +33,12 @@ def register(sub: Any) -> None:
         help="release: publish only these platforms (default: every platform dist.toml pins)",
     )
     p.add_argument("--attach-to", type=Path, default=None, help="release to an upload URL: where the other files go")
+    p.add_argument(
+        "--accept-declared-binding",
+        action="store_true",
+        help="also accept reports whose binding is 'declared' (an endpoint validate did not start: only its /version "
+        "was seen to match the wheel); the index records that this was accepted",
+    )
     p.set_defaults(func=run)
 
 
@@ -46,12 +52,14 @@ def run(args: argparse.Namespace) -> int:
                 "--report is for a single artifact; a release carries its reports",
                 "attach them with `release --report`",
             )
-        done = publish_release(m, Path(args.artifact), args.to, args.platform, args.attach_to)
+        done = publish_release(
+            m, Path(args.artifact), args.to, args.platform, args.attach_to, args.accept_declared_binding
+        )
         for d in done.plan.decisions:
             print(f"published {d.platform} {d.wheel.name if d.wheel else '-'} (report {d.report}, profile {d.profile})")
         print(f"index: {done.index}\nrelease files: {done.files_dir}", flush=True)
         return 0
-    result = publish(m, args.artifact, args.to, args.report, args.container_tool)
+    result = publish(m, args.artifact, args.to, args.report, args.container_tool, args.accept_declared_binding)
     print(
         f"published {result.artifact.name} ({result.artifact.sha256}) to {result.destination} "
         f"(report {result.report}, profile {result.profile})",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,31 @@ from vllm_dflash.errors import ManifestError, MeasurementError
 from vllm_dflash.manifest import Profile, load_profile_file
 from vllm_dflash.validate.server import check_url
 from vllm_dflash.validate.smoke import ServerChoice, load_prompts, validate
+
+MAX_PROMPTS = 100_000  # more than any prompt set holds: a larger count is a typo
+MAX_HEALTH_TIMEOUT_S = 7 * 86400.0
+
+
+def count_option(text: str) -> int:
+    """An integer 1..MAX_PROMPTS, refused at parse time otherwise (argparse prints the line, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= MAX_PROMPTS:
+        raise argparse.ArgumentTypeError(f"{value} is not within 1..{MAX_PROMPTS}")
+    return value
+
+
+def seconds_option(text: str) -> float:
+    """A finite number of seconds > 0 and at most a week (NaN, inf, negative, absurd: refused at parse time)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or not 0 < value <= MAX_HEALTH_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds within (0, {MAX_HEALTH_TIMEOUT_S:g}]")
+    return value
 
 
 def register(sub: Any) -> None:
@@ -37,8 +63,13 @@ def register(sub: Any) -> None:
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None, help="also run without spec")
     p.add_argument("--baseline-endpoint", default=None, help="with --endpoint: a no-speculation server to compare")
     p.add_argument("--prompts", default=None, help="override the profile's prompt set (name or JSONL path)")
-    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--health-timeout", type=float, default=None, help="seconds to wait for /health")
+    p.add_argument(
+        "--num-prompts",
+        type=count_option,
+        default=None,
+        help="use only the first N prompts (fewer than the profile's minimum: an exploratory, unpublishable report)",
+    )
+    p.add_argument("--health-timeout", type=seconds_option, default=None, help="seconds to wait for /health")
     p.add_argument("--report", type=Path, default=None, help="report path (default: validation-PROFILE.json)")
     p.add_argument("--log-dir", type=Path, default=None, help="where the launched server's log goes")
     p.add_argument("--quiet", action="store_true", help="no table and progress, only the verdict line")
@@ -56,10 +87,16 @@ def run(args: argparse.Namespace) -> int:
     for flag, url in (("--endpoint", args.endpoint), ("--baseline-endpoint", args.baseline_endpoint)):
         if url is not None:
             check_url(url, flag)
-    if args.report is not None and args.report.is_dir():
-        raise MeasurementError(f"--report {args.report} is a directory", "name the report file to write")
-    if args.wheel is not None and not args.wheel.is_file():
-        raise MeasurementError(f"--wheel {args.wheel} does not exist", "pass the wheel file the server runs")
+    report_path = args.report or Path(f"validation-{profile.name}.json")
+    if report_path.is_symlink() or (report_path.exists() and not report_path.is_file()):
+        raise MeasurementError(
+            f"--report {report_path} is not a regular file (a directory, link, FIFO or device)",
+            "name a new file or an earlier report to replace",
+        )
+    if args.wheel is not None:
+        if not args.wheel.is_file():
+            raise MeasurementError(f"--wheel {args.wheel} does not exist", "pass the wheel file the server runs")
+        _check_wheel_name(args.wheel)
     if profile.serve == "cpu-builds":
         return _run_cpu_builds(args, profile)
     prompts = load_prompts(args.prompts or profile.prompts, args.num_prompts or profile.num_prompts)
@@ -76,7 +113,6 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.endpoint and args.baseline and not args.baseline_endpoint:
         print("warning: --baseline with --endpoint needs --baseline-endpoint URL; no baseline run", file=sys.stderr)
-    report_path = args.report or Path(f"validation-{profile.name}.json")
     try:
         result = validate(
             profile, choice, report_path, prompts, args.baseline, show=not args.quiet, prompt_set=args.prompts
@@ -84,12 +120,27 @@ def run(args: argparse.Namespace) -> int:
     except MeasurementError:
         print(f"report: {report_path} (verdict: error)", file=sys.stderr)
         raise
-    acc = result.report["acceptance"]
-    print(
-        f"verdict: {result.report['verdict']} (AL {acc['mean_acceptance_length']:.3f}); report: {result.report_path}",
-        flush=True,
-    )
+    print(f"verdict: {_verdict(result.report)}; report: {result.report_path}", flush=True)
     return result.exit_code
+
+
+def _verdict(report: Any) -> str:
+    """The closing line's verdict, with the drafts-cut warning and why a report is not publishable."""
+    if report.get("drafts_cut"):
+        print(f"warning: {report['drafts_cut']}", file=sys.stderr, flush=True)
+    said = f"{report['verdict']} (AL {report['acceptance']['mean_acceptance_length']:.3f})"
+    if report.get("exploratory"):
+        said += f" -- exploratory, not publishable: {report['exploratory']}"
+    return said
+
+
+def _check_wheel_name(wheel: Path) -> None:
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+    try:
+        parse_wheel_filename(wheel.name)
+    except InvalidWheelFilename:
+        raise MeasurementError(f"--wheel {wheel} is not a wheel file name", "pass the .whl the server runs") from None
 
 
 def _run_cpu_builds(args: argparse.Namespace, profile: Profile) -> int:
@@ -105,9 +156,9 @@ def _run_cpu_builds(args: argparse.Namespace, profile: Profile) -> int:
     if args.prompts is not None or args.num_prompts is not None:
         raise ManifestError(f"profile '{profile.name}' uses the miniature's held-apart prompts", "drop --prompts")
     co = checkout(args)
+    report_path = args.report or Path(f"validation-{profile.name}.json")
     run = miniature.prepare(co.manifest, co.queues, profile, args.wheel, args.log_dir, args.health_timeout)
     print(f"validating {run.wheel.name} (stock build to compare: {run.stock_wheel.name})", flush=True)
-    report_path = args.report or Path(f"validation-{profile.name}.json")
     try:
         result = validate(
             run.profile,
@@ -123,10 +174,5 @@ def _run_cpu_builds(args: argparse.Namespace, profile: Profile) -> int:
     except MeasurementError:
         print(f"report: {report_path} (verdict: error)", file=sys.stderr)
         raise
-    acc = result.report["acceptance"]
-    print(
-        f"verdict: {result.report['verdict']} (AL {acc['mean_acceptance_length']:.3f}); report: {result.report_path}; "
-        f"validated wheel: {run.wheel}",
-        flush=True,
-    )
+    print(f"verdict: {_verdict(result.report)}; report: {result.report_path}; validated wheel: {run.wheel}", flush=True)
     return result.exit_code

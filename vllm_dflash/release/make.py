@@ -114,7 +114,7 @@ def _attach_reports(
         name = layout.report_name(wheel.filename, rep.profile_name)
         if name in contents:
             raise VerifyError(f"two reports of profile {rep.profile_name} for {wheel.filename}", "attach one")
-        contents[name] = path.read_bytes()
+        contents[name] = rep.raw  # the very bytes that were checked
         attached.append(AttachedReport(name=name, wheel=wheel.filename, report=rep))
     return attached, contents
 

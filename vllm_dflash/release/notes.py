@@ -104,6 +104,11 @@ def _gates(rep: ValidationReport) -> str:
     return "; ".join(parts) or "-"
 
 
+def _prompts(rep: ValidationReport) -> str:
+    p = rep.prompts
+    return f"{p.get('set')} x {p.get('count')}" if p else "?"
+
+
 def release_notes(
     wheels: Sequence[WheelFacts],
     source: SourceMaterial,
@@ -169,13 +174,17 @@ def release_notes(
 
     out += ["## Validation", ""]
     if reports:
-        out += ["| platform | profile | AL | gates | verdict | report |", "| --- | --- | --- | --- | --- | --- |"]
+        out += [
+            "| platform | profile | AL | gates | prompts | binding | verdict | report |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         platform_of = {w.filename: w.platform for w in wheels}
         for a in sorted(reports, key=lambda a: (platform_of[a.wheel], a.name)):
             al = a.report.acceptance_length
             out.append(
                 f"| {platform_of[a.wheel]} | {_cell(a.report.profile_name)} | {f'{al:.2f}' if al is not None else '?'} "
-                f"| {_cell(_gates(a.report))} | {a.report.verdict} | `{a.name}` |"
+                f"| {_cell(_gates(a.report))} | {_cell(_prompts(a.report))} | {_cell(a.report.binding)} "
+                f"| {a.report.verdict} | `{a.name}` |"
             )
         missing = [w.platform for w in wheels if not any(a.wheel == w.filename for a in reports)]
         if missing:

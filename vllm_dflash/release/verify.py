@@ -18,9 +18,10 @@ Checks, in order, each failure one VerifyError line (exit 17) naming the file an
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,7 @@ class VerifyResult:
     key_id: str | None
     authenticated: bool  # the signatures were checked with a key the user supplied
     images: tuple[ImageRef, ...] = ()  # the container images images.json names (checked against the wheels)
+    digests: Mapping[str, str] = field(default_factory=dict)  # sha256 of every file checked, as verified
 
     def summary(self) -> str:
         what = "artifact" if self.partial else "release"
@@ -164,12 +166,20 @@ def _verify(target: Path, options: VerifyOptions) -> VerifyResult:
     must = {n for n in wanted if members[n].wheel is not None} if partial else wanted
     for name in sorted(must - present):
         raise VerifyError(f"{name}: listed in {layout.SUMS} but missing", _RESTORE)
+    # A release holds its own files: a symlink (to anywhere, inside or out) or a FIFO/device is refused, so what was
+    # verified is what publish copies. Hard links are files (make_release links the wheels).
+    for name in sorted((wanted & present) | ({layout.SUMS, layout.SUMS_ENVELOPE} & present)):
+        path = directory / name
+        if path.is_symlink() or not path.is_file():
+            kind = "a symbolic link" if path.is_symlink() else "not a regular file"
+            raise VerifyError(f"{name}: is {kind}; a release holds its own files", _RESTORE)
 
     # 1. Signatures, SHA256SUMS's first: it vouches for every other hash.
     signed_files = [n for n, m in members.items() if m.kind in (Kind.ENVELOPE, Kind.PUBLIC_KEY)]
     signed = bool(signed_files) or layout.SUMS_ENVELOPE in present
     key: Ed25519PublicKey | None = None
     authenticated = False
+    envelope_raw = b""
     if not signed:
         if options.public_keys or options.require_signature:
             raise VerifyError(f"{directory}: the release is not signed", "ask for a signed release")
@@ -177,10 +187,16 @@ def _verify(target: Path, options: VerifyOptions) -> VerifyResult:
         key, authenticated = _signing_key(directory, listed, options)
         if layout.SUMS_ENVELOPE not in present:
             raise VerifyError(f"{layout.SUMS_ENVELOPE}: missing from a signed release", _RESTORE)
-        _check_envelope(directory / layout.SUMS_ENVELOPE, dsse.SUMS_PAYLOAD_TYPE, layout.SUMS, sums_raw, key)
+        envelope_raw = _read(directory / layout.SUMS_ENVELOPE)
+        _check_envelope(
+            directory / layout.SUMS_ENVELOPE, dsse.SUMS_PAYLOAD_TYPE, layout.SUMS, sums_raw, key, envelope_raw
+        )
 
     # 2. Every file's sha256.
     checked: list[str] = [layout.SUMS, *([layout.SUMS_ENVELOPE] if key is not None else [])]
+    digests: dict[str, str] = {layout.SUMS: hashlib.sha256(sums_raw).hexdigest()}
+    if key is not None:
+        digests[layout.SUMS_ENVELOPE] = hashlib.sha256(envelope_raw).hexdigest()
     for name in sorted(wanted & present):
         got = sha256_file(directory / name, VerifyError)
         if got != listed[name]:
@@ -189,6 +205,7 @@ def _verify(target: Path, options: VerifyOptions) -> VerifyResult:
                 _RESTORE,
             )
         checked.append(name)
+        digests[name] = got
 
     # 3. Per wheel.
     verified: list[VerifiedWheel] = []
@@ -233,6 +250,7 @@ def _verify(target: Path, options: VerifyOptions) -> VerifyResult:
         key_id=dsse.key_id(key) if key is not None else None,
         authenticated=authenticated,
         images=tuple(images),
+        digests=digests,
     )
 
 
@@ -254,8 +272,10 @@ def _signing_key(directory: Path, listed: Mapping[str, str], options: VerifyOpti
     )
 
 
-def _check_envelope(path: Path, payload_type: str, signed: str, expected: bytes, key: Ed25519PublicKey) -> None:
-    payload, sigs = dsse.open_envelope(_read(path), path.name, payload_type)
+def _check_envelope(
+    path: Path, payload_type: str, signed: str, expected: bytes, key: Ed25519PublicKey, raw: bytes | None = None
+) -> None:
+    payload, sigs = dsse.open_envelope(raw if raw is not None else _read(path), path.name, payload_type)
     if payload != expected:
         raise VerifyError(f"{path.name}: signs another {signed} than the one here (one of them was altered)", _RESTORE)
     dsse.check_signature(payload_type, payload, sigs, key, path.name)

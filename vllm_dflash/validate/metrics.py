@@ -2,14 +2,21 @@
 
 The counters are cumulative since the server started, so a measurement is always the difference of two scrapes
 taken around the prompt run: traffic before the run (warm-up, other users) does not count.
+
+Only numbers a real vLLM can produce are measured: every counter finite and >= 0, none going down between the two
+scrapes, and a delta that obeys what speculative decoding is (accepted <= draft tokens <= drafts x k, per-position
+counts non-increasing and summing to the accepted ones). Anything else is MeasurementError (exit 2), never a
+verdict. `count_problem` states those rules once; the report's readers (publish, release, verify) apply it again.
 """
 
 from __future__ import annotations
 
+import math
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_dflash.errors import MeasurementError
 
@@ -20,7 +27,15 @@ DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 GENERATION_TOKENS = "vllm:generation_tokens"
+CACHE_CONFIG_INFO = "vllm:cache_config_info"  # a gauge whose labels are the engine's CacheConfig fields
+OBSERVED_CACHE_FIELDS = ("enable_prefix_caching", "block_size", "cache_dtype")
 SPEC_FAMILIES = (DRAFTS, DRAFT_TOKENS, ACCEPTED, ACCEPTED_PER_POS)
+_MALFORMED_HINT = "this is not what a vLLM server exports; point --endpoint at a vLLM server"
+# A vLLM /metrics page is well under a MiB (a few hundred families, histograms per engine); a server sending more is
+# not one, and an endless answer must not be read without end.
+MAX_METRICS_BYTES = 32 << 20
+# Counters are integers carried as floats; sums of a few engines' counts stay exact far beyond any run's size.
+_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -36,9 +51,32 @@ class SpecCounters:
     per_position: Mapping[int, float] = field(default_factory=dict)
     generation_tokens: float = 0.0
     present: bool = False
+    # What the server says of its own cache config (vllm:cache_config_info labels): observed, not declared.
+    observed: Mapping[str, str] = field(default_factory=dict)
+
+    def named(self) -> dict[str, float]:
+        """Every counter by a readable name (what a message about one of them says)."""
+        out = {
+            "num_drafts": self.drafts,
+            "num_draft_tokens": self.draft_tokens,
+            "num_accepted_tokens": self.accepted,
+            "generation_tokens": self.generation_tokens,
+        }
+        out.update({f"num_accepted_tokens_per_pos[{p}]": v for p, v in sorted(self.per_position.items())})
+        return out
 
     def minus(self, before: SpecCounters) -> SpecCounters:
-        """The counts added between `before` and this scrape."""
+        """The counts added between `before` and this scrape; MeasurementError when a counter went down (the
+        server restarted in between, or it is not a counter at all)."""
+        mine, theirs = self.named(), before.named()
+        for name, old in theirs.items():
+            new = mine.get(name, 0.0)
+            if new < old - _EPS:
+                raise MeasurementError(
+                    f"/metrics counter {name} went down from {old:g} to {new:g} during the run: the server "
+                    "restarted (or its counters are not cumulative), so the run's drafts are unknown",
+                    "run validate again against a server that stays up for the whole run",
+                )
         positions = sorted(set(self.per_position) | set(before.per_position))
         return SpecCounters(
             drafts=self.drafts - before.drafts,
@@ -66,17 +104,29 @@ class Acceptance:
     mean_acceptance_length: float  # 1 + accepted / drafts: tokens emitted per target forward pass
     draft_acceptance_rate: float  # accepted / draft tokens
     per_position_rate: tuple[float, ...]  # accepted at position i / drafts, i = 0..k-1
+    mean_draft_tokens: float = 0.0  # draft tokens / drafts: k unless vLLM's scheduler cut the drafts
+    num_speculative_tokens: int = 0  # k the server was asked to draft
 
     def as_dict(self) -> dict[str, object]:
         return {
             "mean_acceptance_length": self.mean_acceptance_length,
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "per_position_acceptance_rate": list(self.per_position_rate),
+            "mean_draft_tokens_per_draft": self.mean_draft_tokens,
+            "num_speculative_tokens": self.num_speculative_tokens,
         }
 
 
+def _sample_line(sample: Any) -> str:
+    labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+    return f"{sample.name}{{{labels}}} {sample.value}"
+
+
 def parse_spec_counters(text: str) -> SpecCounters:
-    """Parse Prometheus text exposition with prometheus_client's own parser and pick out the spec-decode counters."""
+    """Parse Prometheus text exposition with prometheus_client's own parser and pick out the spec-decode counters.
+
+    A counter sample that is not finite and >= 0, or a per-position sample without an integer `position` label, is
+    malformed metrics: MeasurementError quoting the sample."""
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: dict[str, float] = {}
@@ -88,7 +138,12 @@ def parse_spec_counters(text: str) -> SpecCounters:
         raise MeasurementError(
             f"/metrics is not Prometheus text format: {exc}", "check that the URL is a vLLM server"
         ) from None
+    observed: dict[str, str] = {}
     for family in families:
+        if family.name == CACHE_CONFIG_INFO and family.samples:
+            labels = family.samples[0].labels
+            observed = {k: str(labels[k]) for k in OBSERVED_CACHE_FIELDS if k in labels}
+            continue
         # vLLM declares its counters as `<name>_total` (the parser strips that suffix); a family declared without
         # TYPE keeps it. Either way the family is the same counter.
         name = family.name.removesuffix("_total")
@@ -99,11 +154,21 @@ def parse_spec_counters(text: str) -> SpecCounters:
             # Counters also export `_created` timestamps; only the running total counts.
             if not sample.name.endswith("_total") and sample.name != family.name:
                 continue
+            value = float(sample.value)
+            if not math.isfinite(value) or value < 0:
+                raise MeasurementError(
+                    f"malformed metrics: counter sample `{_sample_line(sample)}` is not a finite count >= 0",
+                    _MALFORMED_HINT,
+                )
             if name == ACCEPTED_PER_POS:
-                pos = int(sample.labels["position"])
-                per_pos[pos] = per_pos.get(pos, 0.0) + sample.value
+                label = sample.labels.get("position")
+                if label is None or not (label.isascii() and label.isdigit()):
+                    what = "has no position label" if label is None else f"has position {label!r}, not an integer"
+                    raise MeasurementError(f"malformed metrics: `{_sample_line(sample)}` {what}", _MALFORMED_HINT)
+                pos = int(label)
+                per_pos[pos] = per_pos.get(pos, 0.0) + value
             else:
-                totals[name] = totals.get(name, 0.0) + sample.value
+                totals[name] = totals.get(name, 0.0) + value
     return SpecCounters(
         drafts=totals.get(DRAFTS, 0.0),
         draft_tokens=totals.get(DRAFT_TOKENS, 0.0),
@@ -111,6 +176,7 @@ def parse_spec_counters(text: str) -> SpecCounters:
         per_position=per_pos,
         generation_tokens=totals.get(GENERATION_TOKENS, 0.0),
         present=present,
+        observed=observed,
     )
 
 
@@ -119,30 +185,110 @@ def scrape(base_url: str, timeout_s: float = 30.0) -> SpecCounters:
     url = base_url.rstrip("/") + "/metrics"
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            text = resp.read().decode()
+            raw = resp.read(MAX_METRICS_BYTES + 1)
+        if len(raw) > MAX_METRICS_BYTES:
+            raise MeasurementError(
+                f"{url} answered more than {MAX_METRICS_BYTES >> 20} MiB: not a vLLM /metrics page",
+                "point --endpoint at a vLLM server",
+            )
+        text = raw.decode()
     except (urllib.error.URLError, TimeoutError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise MeasurementError(
             f"cannot read {url}: {reason}", "check that the server is up and exports /metrics"
         ) from None
+    except UnicodeDecodeError:
+        raise MeasurementError(f"{url} is not UTF-8 text", "check that the URL is a vLLM server") from None
     return parse_spec_counters(text)
 
 
-def acceptance(delta: SpecCounters) -> Acceptance:
-    """AL, draft acceptance rate and per-position rates of a counter delta; MeasurementError when nothing drafted."""
+def count_problem(drafts: Any, draft_tokens: Any, accepted: Any, per_position: Mapping[int, Any], k: int) -> str | None:
+    """None when a delta of counts is one a vLLM drafting up to `k` tokens per draft can produce; else what is
+    impossible about it. Drafted nothing is a problem too: there is nothing to measure."""
+    named = {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted}
+    named.update({f"num_accepted_tokens_per_pos[{p}]": v for p, v in per_position.items()})
+    for name, value in named.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            return f"{name} = {value!r} is not a finite count >= 0"
+    if drafts <= 0:
+        return "the server drafted nothing during the run (0 drafts): acceptance cannot be measured"
+    if accepted > draft_tokens + _EPS:
+        return f"{accepted:g} accepted tokens exceed the {draft_tokens:g} draft tokens"
+    if draft_tokens > drafts * k + _EPS:
+        return f"{draft_tokens:g} draft tokens exceed {drafts:g} drafts x k = {k} (AL can never exceed k + 1)"
+    if per_position:
+        outside = [p for p in per_position if not 0 <= p < k]
+        if outside:
+            return f"accepted tokens at draft position {max(outside)}, outside 0..{k - 1} (k = {k})"
+        ordered = [per_position.get(p, 0.0) for p in range(k)]
+        for p, count in enumerate(ordered):
+            if count > drafts + _EPS:
+                return f"{count:g} tokens accepted at position {p}, more than the {drafts:g} drafts"
+            if p and count > ordered[p - 1] + _EPS:
+                return (
+                    f"more tokens accepted at position {p} ({count:g}) than at position {p - 1} "
+                    f"({ordered[p - 1]:g}): a draft is accepted up to its first rejected token"
+                )
+        if abs(sum(ordered) - accepted) > _EPS * max(1.0, accepted):
+            return f"the per-position counts sum to {sum(ordered):g}, not the {accepted:g} accepted tokens"
+    return None
+
+
+def acceptance(delta: SpecCounters, k: int) -> Acceptance:
+    """AL, draft acceptance rate and per-position rates of a counter delta for a server drafting `k` tokens;
+    MeasurementError when nothing was drafted or the counts are impossible."""
     if not delta.present:
         raise MeasurementError(
             "the server exports no spec_decode counters: it runs without speculative decoding",
             "serve with --speculative-config (validate sets it when it launches the server)",
         )
-    if delta.drafts <= 0:
-        raise MeasurementError(
-            "the server drafted nothing during the run (0 drafts): acceptance cannot be measured",
-            "check the speculative config and that the prompts produced output tokens",
-        )
-    k = max(delta.per_position) + 1 if delta.per_position else 0
+    problem = count_problem(delta.drafts, delta.draft_tokens, delta.accepted, delta.per_position, k)
+    if problem is not None:
+        if delta.drafts <= 0:
+            raise MeasurementError(problem, "check the speculative config and that the prompts produced output tokens")
+        raise MeasurementError(f"impossible /metrics counts: {problem}", _MALFORMED_HINT)
     return Acceptance(
         mean_acceptance_length=1.0 + delta.accepted / delta.drafts,
         draft_acceptance_rate=delta.accepted / delta.draft_tokens if delta.draft_tokens > 0 else 0.0,
-        per_position_rate=tuple(delta.per_position.get(p, 0.0) / delta.drafts for p in range(k)),
+        per_position_rate=tuple(delta.per_position.get(p, 0.0) / delta.drafts for p in range(k))
+        if delta.per_position
+        else (),
+        mean_draft_tokens=delta.draft_tokens / delta.drafts,
+        num_speculative_tokens=k,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The token-budget trap (issue 20): DFlash reserves (k-1) x max_num_seqs scheduler slots; below about
+# 2k x max_num_seqs tokens per step a decode step silently gets fewer draft tokens.
+
+
+def budget_floor(k: int, max_num_seqs: int) -> int:
+    """The `--max-num-batched-tokens` at and above which no decode step has its drafts cut."""
+    return 2 * k * max_num_seqs
+
+
+def cut_drafts_line(acc: Acceptance, max_num_seqs: int | None, budget: int | None) -> str | None:
+    """One line when vLLM drafted fewer than k tokens per draft on average (its token budget cut them), saying which
+    serve argument to raise and to what, from k and max_num_seqs (as the serve args state them; None: not given)."""
+    k = acc.num_speculative_tokens
+    if k <= 0 or acc.mean_draft_tokens >= k - _EPS:
+        return None
+    said = f"vLLM cut the drafts: {acc.mean_draft_tokens:.2f} of k = {k} draft tokens per draft on average"
+    if max_num_seqs is None:
+        return (
+            f"{said}; raise --max-num-batched-tokens to at least 2 x k x max_num_seqs ({2 * k} per sequence, "
+            f"{budget_floor(k, 1024)} for vLLM's default of up to 1024), or set a lower --max-num-seqs"
+        )
+    floor = budget_floor(k, max_num_seqs)
+    if budget is not None and budget >= floor:
+        return (
+            f"{said}, although the profile's --max-num-batched-tokens {budget} is at least 2 x k x max_num_seqs = "
+            f"{floor}: the server runs with other settings than the profile's; serve it with "
+            f"--max-num-batched-tokens >= {floor} (--max-num-seqs {max_num_seqs})"
+        )
+    now = f" (now {budget})" if budget is not None else " (not set: vLLM's default applies)"
+    return (
+        f"{said}; raise --max-num-batched-tokens to at least 2 x k x max_num_seqs = {floor}{now}, or lower "
+        f"--max-num-seqs below {max_num_seqs}"
     )

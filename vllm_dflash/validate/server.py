@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -29,6 +30,13 @@ from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import DEFAULT_HEALTH_TIMEOUT_S, Profile
 
 LOG_TAIL_LINES = 40
+
+# How the served code is tied to the artifact a report names (README "Validate on a GPU node"):
+BINDING_INSTALLED = "installed"  # validate launched the server from an environment holding exactly the wheel's files
+BINDING_IMAGE = "image"  # validate launched the server from the image with this content ID
+BINDING_DECLARED = "declared"  # an endpoint validate did not start, whose /version equals the named wheel's
+BINDING_NONE = "none"  # no artifact named (nothing to publish)
+BINDINGS = (BINDING_INSTALLED, BINDING_IMAGE, BINDING_DECLARED, BINDING_NONE)
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,7 @@ class Provenance:
     artifact_kind: str | None = None  # wheel | image
     artifact_name: str | None = None
     artifact_sha256: str | None = None  # wheel file sha256, or the image ID (sha256:...) for images
-    binding: str = "none"  # how the artifact is tied to the running server
+    binding: str = BINDING_NONE  # how the artifact is tied to the running server (BINDINGS)
     build_info: Mapping[str, Any] | None = None  # the served wheel's provenance document, when it carries one
 
     def as_dict(self) -> dict[str, Any]:
@@ -121,7 +129,7 @@ def http_get(url: str, timeout_s: float = 10.0) -> tuple[int, bytes]:
     """Status and body of a GET; (0, b'') when nothing answers."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return int(resp.status), resp.read()
+            return int(resp.status), resp.read(1 << 20)  # /health and /version are a few bytes: never read on
     except urllib.error.HTTPError as exc:
         return int(exc.code), b""
     except (urllib.error.URLError, TimeoutError, OSError):
@@ -318,7 +326,7 @@ def launch_subprocess(
                 f"the vLLM installed for {python} ({installed.name} {installed.version}) is not {wheel.name}",
                 f"pip install --force-reinstall --no-deps {wheel} into that environment, or drop --wheel",
             )
-        binding, sha = "installed-files-match-wheel-record", sha256_file(wheel)
+        binding, sha = BINDING_INSTALLED, sha256_file(wheel)
     provenance = Provenance(
         mode="subprocess",
         vllm_version=installed.version,
@@ -412,7 +420,7 @@ def launch_container(
             artifact_kind="image",
             artifact_name=opts.image,
             artifact_sha256=digest,
-            binding="image-id-launched-by-validate",
+            binding=BINDING_IMAGE,
         )
         yield RunningServer(base_url=base_url, provenance=provenance)
     finally:
@@ -428,17 +436,26 @@ def use_endpoint(
     wait_for_health(base_url, timeout_s)
     version = endpoint_version(base_url)
     kind = name = sha = None
-    binding = "none"
+    binding = BINDING_NONE
     if wheel is not None:
-        # An endpoint cannot prove which files it runs; the version it reports must at least be the wheel's.
-        if version is not None and version != wheel_version(wheel):
+        # An endpoint cannot prove which files it runs; the version it reports must at least be the wheel's, and
+        # without a /version nothing ties the two: the report then names no artifact.
+        if version is None:
+            print(
+                f"warning: {base_url} answers no /version, so nothing ties it to --wheel {wheel.name}: the report "
+                "names no artifact (launch the server with --python to bind it)",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif version != wheel_version(wheel):
             raise MeasurementError(
                 f"{base_url} runs vLLM {version}, but --wheel {wheel.name} is version {wheel_version(wheel)}",
                 "serve the wheel you want to validate, or launch it with validate's subprocess mode",
             )
-        kind, name, sha, binding = "wheel", wheel.name, sha256_file(wheel), "declared-version-matches-endpoint"
+        else:
+            kind, name, sha, binding = "wheel", wheel.name, sha256_file(wheel), BINDING_DECLARED
     elif image is not None:
-        kind, name, sha, binding = "image", image, image_id(tool, image), "declared"
+        kind, name, sha, binding = "image", image, image_id(tool, image), BINDING_DECLARED
     yield RunningServer(
         base_url=base_url,
         provenance=Provenance(

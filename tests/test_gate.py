@@ -1,0 +1,778 @@
+"""The publish gate cannot be fooled (issue 18), through the CLI.
+
+`validate --endpoint` against a fake OpenAI-compatible server on 127.0.0.1 whose `/metrics` says whatever the test
+wants (the test is about how we treat a server's answers): every impossible measurement is exit 2 with its own
+line, and the same server made plausible passes. `publish` refusals each leave the index byte-identical (a hash of
+the whole tree before and after), and the same input made valid publishes. The token-budget trap (issue 20): drafts
+cut below k fail the draft-fill gate with a line saying what to raise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomlkit
+from test_publish import make_wheel
+
+from vllm_dflash.cli import main
+from vllm_dflash.fetch import sha256_file
+from vllm_dflash.report import key_from_env, loads_strict, seal, write
+from vllm_dflash.validate.promptsets import load_prompts
+
+K = 3
+PROFILE = "gate-fake"
+TABLE: dict[str, Any] = {
+    "target": "tiny",
+    "drafter": "tiny-drafter",
+    "method": "dflash",
+    "num_speculative_tokens": K,
+    "thinking": False,
+    "prompts": "chat",
+    "max_tokens": 16,
+    "concurrency": 4,
+    "serve_args": ["--max-num-seqs", "8", "--max-num-batched-tokens", "512"],
+    "min_acceptance_length": 1.5,
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def metrics(drafts: Any, draft_tokens: Any, accepted: Any, per_pos: list[str] | None = None) -> str:
+    """Prometheus text as vLLM writes its spec-decode counters; `per_pos` lines are given whole (label and value)."""
+    lines = []
+    for name, value in (
+        ("vllm:spec_decode_num_drafts_total", drafts),
+        ("vllm:spec_decode_num_draft_tokens_total", draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens_total", accepted),
+    ):
+        lines += [f"# TYPE {name} counter", f'{name}{{engine="0",model_name="tiny"}} {value}']
+    lines.append(f"# TYPE {PER_POS} counter")
+    for label_value in per_pos or []:
+        lines.append(f'{PER_POS}{{engine="0",model_name="tiny"{label_value}')
+    return "\n".join(lines) + "\n"
+
+
+def pos(*values: Any) -> list[str]:
+    return [f',position="{p}"}} {v}' for p, v in enumerate(values)]
+
+
+ZERO = metrics(0, 0, 0, pos(0, 0, 0))
+GOOD = metrics(100, 300, 150, pos(75, 50, 25))  # AL 2.5, k = 3 tokens per draft
+
+
+@dataclass
+class Fake:
+    """What the fake server answers: /metrics before the run (first scrape) and after it (every later one)."""
+
+    before: str = ZERO
+    after: str = GOOD
+    version: str | None = None  # /version (None: 404)
+    endless_metrics: bool = False  # /metrics streams without end
+    scrapes: int = 0
+    paths: list[str] = field(default_factory=list)
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[str, Fake]]:
+    state = Fake()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            state.paths.append(self.path)
+            if self.path == "/health":
+                self._send(200, b"")
+            elif self.path == "/version" and state.version is not None:
+                self._send(200, json.dumps({"version": state.version}).encode())
+            elif self.path == "/v1/models":
+                doc = {"object": "list", "data": [{"id": "tiny", "object": "model", "created": 0, "owned_by": "t"}]}
+                self._send(200, json.dumps(doc).encode())
+            elif self.path == "/metrics" and state.endless_metrics:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.end_headers()
+                line = b"# HELP filler a comment line, forever\n" * 1000
+                try:
+                    while True:
+                        self.wfile.write(line)
+                except OSError:  # the client hung up: what the test wants
+                    return
+            elif self.path == "/metrics":
+                text = state.before if state.scrapes == 0 else state.after
+                state.scrapes += 1
+                self._send(200, text.encode(), "text/plain; version=0.0.4")
+            else:
+                self._send(404, b"{}")
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length", "0"))
+            self.rfile.read(length)
+            doc = {
+                "id": "c",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "tiny",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11},
+            }
+            self._send(200, json.dumps(doc).encode())
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def root(tmp_path: Path, repo_root: Path) -> Path:
+    root = tmp_path / "checkout"
+    root.mkdir()
+    shutil.copy(repo_root / "VERSION", root / "VERSION")
+    doc = tomlkit.parse((repo_root / "dist.toml").read_text())
+    doc["profiles"][PROFILE] = TABLE  # type: ignore[index]
+    doc["publish"]["required_profiles"] = [PROFILE]  # type: ignore[index]
+    (root / "dist.toml").write_text(tomlkit.dumps(doc))
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No report key from the environment, and a private cwd: a default report path lands in tmp, never the repo."""
+    monkeypatch.delenv("VLLM_DFLASH_REPORT_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+def cli(root: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    """`vllm-dflash --root ROOT ARGS...` through the CLI's entry point, in this process (no interpreter start per
+    case: the quick tier stays quick); stdout and stderr captured as a subprocess would give them."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["--root", str(root), *map(str, args)]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse refusing an option
+            code = int(exc.code or 0)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def error_lines(run: subprocess.CompletedProcess[str]) -> list[str]:
+    return [ln for ln in run.stderr.splitlines() if ln.startswith("error: ")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# validate: measurements that cannot be real are unmeasurable (exit 2), each with its own line
+
+IMPOSSIBLE = {
+    # what the server claims after the run -> the words of its one error line
+    "al-above-k-plus-1": (metrics(10, 390, 390, pos(10, 10, 10)), "exceed 10 drafts x k = 3"),
+    "plus-inf": (metrics(100, 300, "+Inf", pos(75, 50, 25)), 'model_name="tiny"} inf` is not a finite count'),
+    "nan": (metrics(100, 300, "NaN", pos(75, 50, 25)), 'model_name="tiny"} nan` is not a finite count'),
+    "negative": (metrics(100, 300, -150, pos(75, 50, 25)), "-150"),
+    "decreasing": (None, "went down from 100 to 40"),
+    "position-label-missing": (metrics(100, 300, 150, ["} 150"]), "has no position label"),
+    "position-label-not-integer": (metrics(100, 300, 150, [',position="one"} 150']), "not an integer"),
+    "position-outside-k": (metrics(100, 300, 150, pos(75, 50, 15, 10)), "outside 0..2"),
+    "position-increasing": (metrics(100, 300, 150, pos(50, 60, 40)), "more tokens accepted at position 1"),
+    "position-sum": (metrics(100, 300, 150, pos(75, 50, 20)), "sum to 145"),
+    "position-above-drafts": (metrics(100, 300, 230, pos(110, 70, 50)), "more than the 100 drafts"),
+    "accepted-above-draft-tokens": (metrics(100, 100, 150, pos(75, 50, 25)), "exceed the 100 draft tokens"),
+    "zero-drafts": (ZERO, "drafted nothing"),
+    "no-speculation": ("# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total 5\n", "without"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IMPOSSIBLE))
+def test_impossible_measurements_exit_2_with_their_own_line(
+    case: str, fake: tuple[str, Fake], root: Path, tmp_path: Path
+) -> None:
+    url, state = fake
+    after, words = IMPOSSIBLE[case]
+    if case == "decreasing":  # the server restarted between the scrapes
+        state.before, after = GOOD, metrics(40, 120, 60, pos(30, 20, 10))
+    if case == "no-speculation":
+        state.before = after
+    state.after = after
+    report = tmp_path / "r.json"
+    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--report", report, "--quiet")
+    assert run.returncode == 2, run.stdout + run.stderr
+    lines = error_lines(run)
+    assert len(lines) == 1 and words in lines[0], run.stderr
+    assert "Traceback" not in run.stderr
+    data = loads_strict(report.read_bytes())  # strict JSON, no NaN/Infinity anywhere
+    assert data["verdict"] == "error" and data["acceptance"] is None
+
+
+def test_endless_metrics_are_refused(fake: tuple[str, Fake], root: Path, tmp_path: Path) -> None:
+    url, state = fake
+    state.endless_metrics = True
+    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--report", tmp_path / "r.json", "--quiet")
+    assert run.returncode == 2 and "answered more than 32 MiB" in run.stderr, run.stderr
+
+
+def test_impossible_lines_are_distinct() -> None:
+    """Each class says something the others do not (the matrix is not one message matched loosely)."""
+    words = [w for _, w in IMPOSSIBLE.values()]
+    assert len(set(words)) == len(words)
+
+
+def test_plausible_server_passes(fake: tuple[str, Fake], root: Path, tmp_path: Path) -> None:
+    """Negative control of the matrix: the same fake server with counts a vLLM can produce."""
+    url, state = fake
+    info = 'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0"} 1.0\n'
+    state.before = "# TYPE vllm:cache_config_info gauge\n" + info + ZERO
+    report = tmp_path / "r.json"
+    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--report", report)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "verdict: pass (AL 2.500)" in run.stdout and error_lines(run) == []
+    assert "3.00 of k = 3" in run.stdout and "max_num_seqs 8, concurrency 4" in run.stdout  # the table says so
+    data = loads_strict(report.read_bytes())
+    assert data["acceptance"]["mean_draft_tokens_per_draft"] == 3.0 and data["drafts_cut"] is None
+    assert [g["gate"] for g in data["gates"]] == ["min_acceptance_length", "draft_fill"]
+    assert data["prompts"]["count"] == 12 and data["exploratory"] is None
+    serving = data["serving"]
+    assert (serving["max_num_seqs"], serving["max_num_batched_tokens"], serving["concurrency"]) == (8, 512, 4)
+    assert serving["source"].startswith("declared by the profile")
+    assert serving["observed_in_metrics"] == {
+        "enable_prefix_caching": "True",
+        "block_size": "16",
+        "cache_dtype": "auto",
+    }
+    assert data["server"]["artifact"]["binding"] == "none"  # no --wheel named: nothing to publish
+
+
+def test_cut_drafts_fail_the_draft_fill_gate(fake: tuple[str, Fake], root: Path, tmp_path: Path) -> None:
+    """Issue 20's trap: fewer than k draft tokens per draft is vLLM's token budget cutting the drafts."""
+    url, state = fake
+    state.after = metrics(100, 200, 150, pos(75, 50, 25))  # 2 of k = 3 per draft
+    report = tmp_path / "r.json"
+    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--report", report, "--quiet")
+    assert run.returncode == 1, run.stdout + run.stderr
+    warn = [ln for ln in run.stderr.splitlines() if ln.startswith("warning: vLLM cut the drafts")]
+    assert len(warn) == 1 and "2.00 of k = 3" in warn[0], run.stderr
+    # The profile declares 512 >= 2 x 3 x 8 = 48: the server (an endpoint) must run with other settings.
+    assert "runs with other settings than the profile's" in warn[0] and "--max-num-batched-tokens >= 48" in warn[0]
+    data = loads_strict(report.read_bytes())
+    assert [g["gate"] for g in data["gates"] if not g["passed"]] == ["draft_fill"]
+
+
+def test_token_budget_below_the_floor_is_refused_at_parse_time(root: Path, tmp_path: Path) -> None:
+    doc = tomlkit.parse((root / "dist.toml").read_text())
+    doc["profiles"][PROFILE]["serve_args"] = ["--max-num-seqs", "8", "--max-num-batched-tokens", "40"]  # type: ignore[index]
+    (root / "dist.toml").write_text(tomlkit.dumps(doc))
+    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", "http://127.0.0.1:9")
+    assert run.returncode == 3 and "below 2 x k x max_num_seqs = 48" in run.stderr, run.stderr
+    doc["profiles"][PROFILE]["serve_args"] = ["--max-num-seqs", "8", "--max-num-batched-tokens", "48"]  # type: ignore[index]
+    (root / "dist.toml").write_text(tomlkit.dumps(doc))
+    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", "http://127.0.0.1:9", "--health-timeout", "1",
+              "--report", tmp_path / "r.json")  # fmt: skip
+    assert run.returncode == 2 and "/health did not answer" in run.stderr  # got past the manifest
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--num-prompts", "-1"),
+        ("--num-prompts", "0"),
+        ("--num-prompts", "nan"),
+        ("--num-prompts", "10000000000"),
+        ("--health-timeout", "nan"),
+        ("--health-timeout", "-5"),
+        ("--health-timeout", "inf"),
+        ("--health-timeout", "1e12"),
+    ],
+)
+def test_bad_numeric_options_are_refused_at_parse_time(root: Path, option: str, value: str) -> None:
+    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", "http://127.0.0.1:9", option, value)
+    assert run.returncode == 2 and f"validate: error: argument {option}" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and "report:" not in run.stderr  # refused before anything ran
+
+
+def test_report_path_that_is_no_regular_file_is_refused(root: Path, tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", "http://127.0.0.1:9", "--report", fifo)
+    assert run.returncode == 2 and "is not a regular file" in run.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# publish: refusals leave the index byte-identical
+
+
+def tree_hash(path: Path) -> str:
+    """Every entry under `path` (names, link targets, file bytes): equal hashes, identical trees."""
+    h = hashlib.sha256()
+    if not path.exists():
+        return "absent"
+    for p in sorted(path.rglob("*")):
+        rel = str(p.relative_to(path))
+        if p.is_symlink():
+            h.update(f"L {rel} {os.readlink(p)}\n".encode())
+        elif p.is_dir():
+            h.update(f"D {rel}\n".encode())
+        else:
+            h.update(f"F {rel} {hashlib.sha256(p.read_bytes()).hexdigest()}\n".encode())
+    return h.hexdigest()
+
+
+@pytest.fixture
+def validated(fake: tuple[str, Fake], root: Path, tmp_path: Path) -> Callable[..., Path]:
+    """A report from `validate --endpoint` on the fake server, for a wheel whose version /version declares."""
+    url, state = fake
+
+    def run(wheel: Path, *extra: str) -> Path:
+        state.scrapes = 0
+        from packaging.utils import parse_wheel_filename
+
+        state.version = str(parse_wheel_filename(wheel.name)[1])
+        report = tmp_path / f"report-{len(list(tmp_path.glob('report-*')))}.json"
+        done = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--wheel", wheel, "--report", report,
+                   "--quiet", *extra)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        return report
+
+    return run
+
+
+def resealed(report: Path, edit: Callable[[dict[str, Any]], None], out: Path) -> Path:
+    """The report edited and sealed again, as anyone without the HMAC key can."""
+    data = json.loads(report.read_text())
+    del data["seal"]
+    edit(data)
+    write(seal(data, key_from_env()), out, key_from_env())
+    return out
+
+
+def publish_refused(root: Path, index: Path, *args: str | Path, words: str) -> None:
+    before = tree_hash(index)
+    run = cli(root, "publish", *args, "--to", index)
+    assert run.returncode == 12, run.stdout + run.stderr
+    lines = error_lines(run)
+    assert len(lines) == 1 and words in lines[0], run.stderr
+    assert tree_hash(index) == before, "a refused publish changed the index"
+
+
+def test_declared_binding_needs_the_flag_and_is_recorded(
+    validated: Callable[..., Path], root: Path, tmp_path: Path
+) -> None:
+    wheel = make_wheel(tmp_path / "w")
+    report = validated(wheel)
+    assert json.loads(report.read_text())["server"]["artifact"]["binding"] == "declared"
+    index = tmp_path / "index"
+    publish(root, index, wheel, report)  # a first, unrelated publish: refusals must leave its files alone
+    other = make_wheel(tmp_path / "w2", version="1.0.1")
+    report2 = validated(other)
+    publish_refused(root, index, other, "--report", report2, words="binding 'declared'")
+    # Negative control: with the flag it publishes, and the index says so.
+    run = cli(root, "publish", other, "--report", report2, "--to", index, "--accept-declared-binding")
+    assert run.returncode == 0, run.stderr
+    record = json.loads((index / "simple" / "gatedemo" / f"{other.name}.publish.json").read_text())
+    assert record["binding"] == "declared" and record["declared_binding_accepted"] is True
+    entry = next(
+        f for f in json.loads((index / "simple" / "gatedemo" / "index.json").read_text())["files"]
+        if f["filename"] == other.name
+    )  # fmt: skip
+    assert entry["_vllm_dflash"]["declared_binding_accepted"] is True
+
+
+def publish(root: Path, index: Path, wheel: Path, report: Path) -> None:
+    run = cli(root, "publish", wheel, "--report", report, "--to", index, "--accept-declared-binding")
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_renamed_wheel_is_refused(validated: Callable[..., Path], root: Path, tmp_path: Path) -> None:
+    """A hard link of the validated wheel under another project's name or another version publishes nothing."""
+    wheel = make_wheel(tmp_path / "w")
+    report = validated(wheel)
+    index = tmp_path / "index"
+    for name in ("torch-2.11.0-py3-none-any.whl", "gatedemo-9.9.9-py3-none-any.whl"):
+        alias = tmp_path / "alias" / name
+        alias.parent.mkdir(exist_ok=True)
+        os.link(wheel, alias)
+        assert sha256_file(alias) == sha256_file(wheel)  # the report's sha256 matches: only the name lies
+        publish_refused(root, index, alias, "--report", report, "--accept-declared-binding", words="METADATA says")
+    publish(root, index, wheel, report)  # negative control: its own name
+    assert sorted(p.name for p in (index / "simple").iterdir()) == ["gatedemo", "index.html", "index.json"]
+
+
+@pytest.mark.parametrize("linked", ["simple", "simple/gatedemo"])
+def test_symlinked_index_directory_is_refused(
+    validated: Callable[..., Path], root: Path, tmp_path: Path, linked: str
+) -> None:
+    wheel = make_wheel(tmp_path / "w")
+    report = validated(wheel)
+    index = tmp_path / "index"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (index / linked).parent.mkdir(parents=True, exist_ok=True)
+    (index / linked).symlink_to(elsewhere, target_is_directory=True)
+    publish_refused(root, index, wheel, "--report", report, "--accept-declared-binding", words="symbolic link")
+    assert list(elsewhere.iterdir()) == []
+    (index / linked).unlink()  # negative control: a real directory there
+    publish(root, index, wheel, report)
+
+
+def test_prompt_subset_report_is_refused(validated: Callable[..., Path], root: Path, tmp_path: Path) -> None:
+    wheel = make_wheel(tmp_path / "w")
+    index = tmp_path / "index"
+    subset = validated(wheel, "--num-prompts", "1")
+    assert json.loads(subset.read_text())["exploratory"] == "1 prompts sent, the profile's gate is defined on 12"
+    publish_refused(root, index, wheel, "--report", subset, "--accept-declared-binding", words="exploratory")
+    # Re-sealed without the exploratory mark, the digest still says which prompts were measured.
+    forged = resealed(subset, lambda d: d.update(exploratory=None), tmp_path / "forged.json")
+    publish_refused(root, index, wheel, "--report", forged, "--accept-declared-binding", words="gate is defined on 12")
+    counted = resealed(
+        subset, lambda d: d.update(exploratory=None, prompts={**d["prompts"], "count": 12}), tmp_path / "count.json"
+    )
+    publish_refused(root, index, wheel, "--report", counted, "--accept-declared-binding", words="not the first 12")
+    other_set = validated(wheel, "--prompts", "math")
+    publish_refused(root, index, wheel, "--report", other_set, "--accept-declared-binding", words="'math'")
+    publish(root, index, wheel, validated(wheel))  # negative control: the whole set
+
+
+def test_report_with_impossible_numbers_is_refused_even_resealed(
+    validated: Callable[..., Path], root: Path, tmp_path: Path
+) -> None:
+    wheel = make_wheel(tmp_path / "w")
+    report = validated(wheel)
+    index = tmp_path / "index"
+
+    def al_40(d: dict[str, Any]) -> None:
+        d["counters"]["delta"].update(num_accepted_tokens=3900.0, num_draft_tokens=3900.0)
+        d["acceptance"]["mean_acceptance_length"] = 40.0
+        d["gates"][0]["value"] = 40.0
+
+    impossible = resealed(report, al_40, tmp_path / "al40.json")
+    publish_refused(root, index, wheel, "--report", impossible, "--accept-declared-binding", words="no measurement")
+    inflated = resealed(report, lambda d: d["acceptance"].update(mean_acceptance_length=3.0), tmp_path / "al3.json")
+    publish_refused(root, index, wheel, "--report", inflated, "--accept-declared-binding", words="not the 2.500000")
+    nan = tmp_path / "nan.json"
+    nan.write_text(report.read_text().replace('"mean_acceptance_length": 2.5', '"mean_acceptance_length": NaN'))
+    publish_refused(root, index, wheel, "--report", nan, "--accept-declared-binding", words="not strict JSON")
+    publish(root, index, wheel, report)  # negative control
+
+
+def test_endpoint_without_version_names_no_artifact(fake: tuple[str, Fake], root: Path, tmp_path: Path) -> None:
+    url, _ = fake
+    wheel = make_wheel(tmp_path / "w")
+    report = tmp_path / "r.json"
+    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--wheel", wheel, "--report", report)
+    assert run.returncode == 0 and "answers no /version" in run.stderr
+    artifact = json.loads(report.read_text())["server"]["artifact"]
+    assert artifact["binding"] == "none" and artifact["sha256"] is None
+    publish_refused(root, tmp_path / "index", wheel, "--report", report, "--accept-declared-binding",
+                    words="another artifact")  # fmt: skip
+
+
+def test_interrupted_copy_is_cleaned_by_the_next_run(
+    validated: Callable[..., Path], root: Path, tmp_path: Path
+) -> None:
+    wheel = make_wheel(tmp_path / "w")
+    report = validated(wheel)
+    index = tmp_path / "index"
+    publish(root, index, wheel, report)
+    pdir = index / "simple" / "gatedemo"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = pdir / f".gatedemo-1.0.1-py3-none-any.whl.{dead.stdout.strip()}.part"  # what a killed publish leaves
+    stale.write_bytes(b"half a wheel")
+    second = make_wheel(tmp_path / "w2", version="1.0.1")
+    publish(root, index, second, validated(second))
+    assert not stale.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The index users' tools read: pip (HTML, and PEP 691 JSON + PEP 658 over HTTP) and uv
+
+
+def _published_index(validated: Callable[..., Path], root: Path, tmp_path: Path) -> tuple[Path, Path]:
+    wheel = make_wheel(tmp_path / "w", version="1.2.3", body="VALUE = 'from the index'\n")
+    index = tmp_path / "index"
+    publish(root, index, wheel, validated(wheel))
+    return index, wheel
+
+
+ISOLATED = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "UV_NO_CONFIG": "1"}
+
+
+def _venv(path: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", path], check=True)
+    return path / "bin" / "python"
+
+
+def _value(python: Path) -> str:
+    out = subprocess.run([python, "-c", "import gatedemo; print(gatedemo.VALUE)"], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def test_pip_and_uv_install_from_the_local_index(validated: Callable[..., Path], root: Path, tmp_path: Path) -> None:
+    index, wheel = _published_index(validated, root, tmp_path)
+    pdir = index / "simple" / "gatedemo"
+    page = (pdir / "index.html").read_text()
+    meta_sha = hashlib.sha256((pdir / f"{wheel.name}.metadata").read_bytes()).hexdigest()
+    assert f'data-core-metadata="sha256={meta_sha}"' in page and f"#sha256={sha256_file(wheel)}" in page
+    with zipfile.ZipFile(wheel) as zf:
+        assert (pdir / f"{wheel.name}.metadata").read_bytes() == zf.read("gatedemo-1.2.3.dist-info/METADATA")
+    doc = json.loads((pdir / "index.json").read_text())
+    assert doc["meta"]["api-version"] == "1.1" and doc["versions"] == ["1.2.3"]
+    assert doc["files"][0]["core-metadata"] == {"sha256": meta_sha}
+    py = _venv(tmp_path / "pip-venv")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", "--disable-pip-version-check",
+         "--index-url", (index / "simple").as_uri(), "gatedemo==1.2.3"],
+        check=True, env=ISOLATED,
+    )  # fmt: skip
+    assert _value(py) == "from the index"
+    uv = shutil.which("uv")
+    assert uv is not None, "uv is in the test extra (pip install -e '.[test]')"
+    py2 = _venv(tmp_path / "uv-venv")
+    subprocess.run(
+        [uv, "pip", "install", "--python", str(py2), "--no-deps", "--index-url", (index / "simple").as_uri(),
+         "--no-cache", "gatedemo==1.2.3"],
+        check=True, env=ISOLATED, capture_output=True,
+    )  # fmt: skip
+    assert _value(py2) == "from the index"
+
+
+def test_resolver_reads_pep658_metadata_over_pep691_json(
+    validated: Callable[..., Path], root: Path, tmp_path: Path
+) -> None:
+    """The index served over HTTP as a static host would (index.json for `Accept: ...pypi.simple.v1+json`): pip's
+    resolver asks for the JSON page and the `.metadata` file and never for the wheel (`--dry-run`)."""
+    index, wheel = _published_index(validated, root, tmp_path)
+    seen: list[tuple[str, str]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            rel = self.path.split("?")[0].strip("/")
+            target = index / rel
+            accept = self.headers.get("Accept", "")
+            if target.is_dir():
+                want_json = "application/vnd.pypi.simple.v1+json" in accept
+                target = target / ("index.json" if want_json else "index.html")
+                ctype = "application/vnd.pypi.simple.v1+json" if want_json else "text/html"
+            else:
+                ctype = "application/octet-stream"
+            if not target.is_file():
+                self.send_error(404)
+                return
+            seen.append((rel, target.name))
+            body = target.read_bytes()
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/simple/"
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--disable-pip-version-check",
+             "--no-cache-dir", "--ignore-installed", "--report", "-", "--quiet", "--index-url", url,
+             "gatedemo==1.2.3"],
+            check=True, env=ISOLATED, capture_output=True, text=True,
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    resolved = json.loads(out.stdout)["install"]
+    assert [r["metadata"]["version"] for r in resolved] == ["1.2.3"]
+    served = [name for _, name in seen]
+    assert "index.json" in served, seen  # pip took the PEP 691 form
+    assert f"{wheel.name}.metadata" in served, seen  # and the PEP 658 file
+    assert wheel.name not in served, seen  # never the wheel itself
+
+
+def test_no_prompt_set_count_drift() -> None:
+    """The fake profile's set is the shipped `chat` set of 12 (the subset test's numbers depend on it)."""
+    assert len(load_prompts("chat")) == 12
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Releases: symlinked files refused by verify and publish, a wheel swapped after verify refused by the copy
+
+
+def make_vllm_wheel(dest: Path, body: str = "# ours\n") -> Path:
+    """A small wheel as `vllm-dflash build` shapes it: named vllm, our version, an x86_64 tag, and the provenance
+    document a release needs (the release's documents are computed from it)."""
+    import base64
+
+    from vllm_dflash import provenance as prov
+
+    version, dist = "0.20.1+dflash.1", "vllm-0.20.1+dflash.1.dist-info"
+    doc = prov.Provenance(
+        version=version,
+        upstream=prov.UpstreamRef("0.20.1", "v0.20.1", "https://github.com/vllm-project/vllm.git", "f98b2747f",
+                                  "f98b2747f", "sdist", "vllm-0.20.1.tar.gz", "ab" * 32),
+        fork=prov.ForkRef("dflash/v0.20.1", "a" * 40, "b" * 40),
+        patches=(),
+        build=prov.BuildInfo("vllm-dflash", "0.1.0", "fast", "test", "base.whl", "d" * 64),
+        changed_files=("vllm/__init__.py",),
+    )  # fmt: skip
+    tag = "py3-none-manylinux_2_35_x86_64"
+    files = {
+        "vllm/__init__.py": body.encode(),
+        prov.PATH: doc.dumps() if isinstance(doc.dumps(), bytes) else str(doc.dumps()).encode(),
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n".encode(),
+        f"{dist}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n".encode(),
+    }
+    rows = [
+        f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}"
+        for p, d in files.items()
+    ]
+    dest.mkdir(parents=True, exist_ok=True)
+    wheel = dest / f"vllm-{version}-{tag}.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for p, d in files.items():
+            zf.writestr(p, d)
+        zf.writestr(f"{dist}/RECORD", "\n".join([*rows, f"{dist}/RECORD,,"]) + "\n")
+    return wheel
+
+
+@pytest.fixture
+def release(validated: Callable[..., Path], root: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A release of one x86_64 wheel with a passing report from the fake server (declared binding)."""
+    wheel = make_vllm_wheel(tmp_path / "dist")
+    report = validated(wheel)
+    rel = tmp_path / "release"
+    run = cli(root, "release", wheel, "--out", rel, "--report", report)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert cli(root, "verify", rel).returncode == 0
+    return rel, wheel
+
+
+def publish_release_args(rel: Path) -> tuple[str, ...]:
+    return (str(rel), "--platform", "x86_64", "--accept-declared-binding")
+
+
+def test_release_publishes_its_wheel_under_its_metadata(release: tuple[Path, Path], root: Path, tmp_path: Path) -> None:
+    rel, wheel = release
+    index = tmp_path / "index"
+    run = cli(root, "publish", *publish_release_args(rel), "--to", index)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sha256_file(index / "simple" / "vllm" / wheel.name) == sha256_file(wheel)
+    assert (index / "releases" / "0.20.1+dflash.1" / "SHA256SUMS").read_bytes() == (rel / "SHA256SUMS").read_bytes()
+    notes = (rel / "RELEASE-NOTES.md").read_text()
+    assert "| x86_64 | gate-fake | 2.50 |" in notes and "| chat x 12 | declared | pass |" in notes
+
+
+def test_symlinked_release_file_is_refused(release: tuple[Path, Path], root: Path, tmp_path: Path) -> None:
+    rel, wheel = release
+    outside = tmp_path / "outside.whl"
+    shutil.copy(rel / wheel.name, outside)  # same bytes: only the link is wrong
+    (rel / wheel.name).unlink()
+    (rel / wheel.name).symlink_to(outside)
+    run = cli(root, "verify", rel)
+    assert run.returncode == 17 and "is a symbolic link" in run.stderr, run.stderr
+    index = tmp_path / "index"
+    before = tree_hash(index)
+    run = cli(root, "publish", *publish_release_args(rel), "--to", index)
+    assert run.returncode == 17 and "is a symbolic link" in run.stderr and tree_hash(index) == before
+    (rel / wheel.name).unlink()
+    shutil.copy(outside, rel / wheel.name)  # negative control: the file itself
+    assert cli(root, "verify", rel).returncode == 0
+
+
+def test_release_wheel_swapped_after_verify_is_refused(
+    release: tuple[Path, Path], root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between `verify` and the copy, the release's wheel is replaced: the copy's own hash refuses it."""
+    import vllm_dflash.publish as pub
+
+    rel, wheel = release
+    real_verify = pub.verify
+    swapped = make_vllm_wheel(tmp_path / "evil", body="# not what was validated\n")
+
+    def verify_then_swap(*args: Any, **kwargs: Any) -> Any:
+        result = real_verify(*args, **kwargs)
+        (rel / wheel.name).unlink()  # after the check, before the copy (a new file: the release hard-links)
+        shutil.copy(swapped, rel / wheel.name)
+        return result
+
+    monkeypatch.setattr(pub, "verify", verify_then_swap)
+    index = tmp_path / "index"
+    before = tree_hash(index)
+    run = cli(root, "publish", *publish_release_args(rel), "--to", index)
+    assert run.returncode == 12 and "changed" in run.stderr, run.stdout + run.stderr
+    assert tree_hash(index) == before
+    monkeypatch.setattr(pub, "verify", real_verify)
+    (rel / wheel.name).unlink()
+    shutil.copy(wheel, rel / wheel.name)  # negative control: the validated bytes back
+    assert cli(root, "publish", *publish_release_args(rel), "--to", index).returncode == 0
+
+
+def test_refused_release_publish_writes_nothing(release: tuple[Path, Path], root: Path, tmp_path: Path) -> None:
+    """Release notes already published with other content: refused before the wheel or a page is written."""
+    rel, _ = release
+    index = tmp_path / "index"
+    notes = index / "releases" / "0.20.1+dflash.1" / "RELEASE-NOTES.md"
+    notes.parent.mkdir(parents=True)
+    notes.write_text("other notes\n")
+    before = tree_hash(index)
+    run = cli(root, "publish", *publish_release_args(rel), "--to", index)
+    assert run.returncode == 12 and "already exists with different content" in run.stderr, run.stderr
+    assert tree_hash(index) == before and not (index / "simple").exists()
+
+
+def test_release_refuses_a_resealed_impossible_report(
+    validated: Callable[..., Path], root: Path, tmp_path: Path
+) -> None:
+    wheel = make_vllm_wheel(tmp_path / "dist")
+    report = validated(wheel)
+
+    def al_40(d: dict[str, Any]) -> None:
+        d["counters"]["delta"].update(num_accepted_tokens=3900.0, num_draft_tokens=3900.0)
+
+    bad = resealed(report, al_40, tmp_path / "bad.json")
+    run = cli(root, "release", wheel, "--out", tmp_path / "rel", "--report", bad)
+    assert run.returncode == 17 and "no measurement can give" in run.stderr, run.stderr
+    assert cli(root, "release", wheel, "--out", tmp_path / "rel", "--report", report).returncode == 0
+    # verify re-checks an attached report too: replace it (and its sum) with the impossible one.
+    rel = tmp_path / "rel"
+    name = next(p.name for p in rel.iterdir() if ".validation-" in p.name)
+    shutil.copy(bad, rel / name)
+    sums = (rel / "SHA256SUMS").read_text().splitlines()
+    fixed = [f"{sha256_file(rel / name)}  {name}" if ln.endswith(f"  {name}") else ln for ln in sums]
+    (rel / "SHA256SUMS").write_text("\n".join(fixed) + "\n")
+    run = cli(root, "verify", rel)
+    assert run.returncode == 17 and "no measurement can give" in run.stderr, run.stderr
+
+
+def test_publish_report_that_is_no_regular_file_is_refused(root: Path, tmp_path: Path) -> None:
+    wheel = make_wheel(tmp_path / "w")
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)  # reading it would wait forever
+    index = tmp_path / "index"
+    publish_refused(root, index, wheel, "--report", fifo, words="is not a regular file")
+    publish_refused(root, index, wheel, "--report", tmp_path, words="is not a regular file")

@@ -1,0 +1,325 @@
+"""The local package index `publish` writes: PEP 503 HTML pages, the PEP 691 JSON form beside them, and PEP 658
+metadata files, so a resolver reads a wheel's METADATA without fetching the wheel. This module owns that layout.
+
+    <root>/simple/index.html, index.json             every project
+    <root>/simple/<project>/index.html, index.json   its files, each with sha256, size, Requires-Python and a
+                                                     `data-core-metadata` / `core-metadata` pointer (PEP 714 names)
+    <root>/simple/<project>/<wheel>                  the wheel, immutable once there
+    <root>/simple/<project>/<wheel>.metadata         its METADATA (PEP 658), immutable
+    <root>/simple/<project>/<wheel>.publish.json     what let it in: report, profile, AL, binding (PEP 691's
+                                                     `_vllm_dflash` key of the file's JSON entry carries the same)
+
+`pip --index-url file://<root>/simple` reads the HTML; a web server that answers
+`Accept: application/vnd.pypi.simple.v1+json` with the `index.json` beside each page serves PEP 691. No library on
+PyPI writes an incremental static index with PEP 658 and 691 (simple503, dumb-pypi and simple-repository-generator
+regenerate whole trees from a package list, HTML first), so it is written here, checked by pip and uv in the tests.
+
+The name and version a wheel is published under come from its own METADATA, which must agree with its file name.
+Every check runs before the first byte is written; only real directories are written through (no symlinked
+`simple/` or project directory); a copy is hashed as it is written and must equal the sha256 the caller vouches
+for (the validation report's, SHA256SUMS'), else it is removed and nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.parser
+import email.policy
+import hashlib
+import html
+import json
+import os
+import re
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_dflash.errors import PublishRefusedError
+from vllm_dflash.fetch import sha256_file
+from vllm_dflash.paths import storage_error, sweep_stale, temp_sibling
+
+JSON_TYPE = "application/vnd.pypi.simple.v1+json"
+API_VERSION = "1.1"
+METADATA_SUFFIX = ".metadata"
+RECORD_SUFFIX = ".publish.json"
+_CHUNK = 1 << 20
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@dataclass(frozen=True)
+class WheelMeta:
+    """What a wheel says about itself (its one .dist-info/METADATA)."""
+
+    filename: str
+    project: str  # PEP 503 normalised Name
+    name: str  # Name as METADATA writes it
+    version: str
+    requires_python: str | None
+    metadata: bytes  # the METADATA file, byte for byte (PEP 658 serves it)
+
+
+def read_wheel_meta(path: Path, filename: str | None = None) -> WheelMeta:
+    """METADATA of the wheel at `path` (published as `filename`, default its own name), whose Name and Version must
+    be the file name's; PublishRefusedError otherwise."""
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+    from packaging.version import InvalidVersion, Version
+
+    hint = "publish the wheel file exactly as it was built (its file name must be its METADATA's name and version)"
+    shown = filename or path.name
+    try:
+        file_name, file_version, _, _ = parse_wheel_filename(shown)
+    except InvalidWheelFilename as exc:
+        raise PublishRefusedError(f"{shown} is not a wheel file name ({exc})", hint) from None
+    try:
+        with zipfile.ZipFile(path) as zf:
+            infos = sorted({n.split("/", 1)[0] for n in zf.namelist() if n.split("/", 1)[0].endswith(".dist-info")})
+            if len(infos) != 1:
+                raise PublishRefusedError(f"{shown} has {len(infos)} .dist-info directories, not one", hint)
+            raw = zf.read(f"{infos[0]}/METADATA")
+    except KeyError:
+        raise PublishRefusedError(f"{shown} has no .dist-info/METADATA", hint) from None
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise PublishRefusedError(f"{shown} is not a readable wheel ({exc})", hint) from None
+    meta = email.parser.BytesParser(policy=email.policy.compat32).parsebytes(raw, headersonly=True)
+    name, version = meta.get("Name"), meta.get("Version")
+    if not name or not version:
+        raise PublishRefusedError(f"{shown}: METADATA lacks Name or Version", hint)
+    try:
+        same_version = Version(str(version)) == file_version
+    except InvalidVersion:
+        raise PublishRefusedError(f"{shown}: METADATA Version {version!r} is not a version", hint) from None
+    if normalize(str(name)) != normalize(str(file_name)) or not same_version:
+        raise PublishRefusedError(
+            f"{shown} is named {file_name} {file_version}, but its METADATA says {name} {version}: "
+            "a renamed wheel would publish under a name it does not have",
+            hint,
+        )
+    rp = meta.get("Requires-Python")
+    return WheelMeta(shown, normalize(str(name)), str(name), str(version), str(rp) if rp else None, raw)
+
+
+def real_dir(path: Path, what: str) -> None:
+    """Refuse a symlink (or a non-directory) where the index needs a directory of its own; absent is fine."""
+    if path.is_symlink():
+        raise PublishRefusedError(
+            f"{what} {path} is a symbolic link; the index is written only through its own directories",
+            f"replace {path} with a real directory",
+        )
+    if path.exists() and not path.is_dir():
+        raise PublishRefusedError(f"{what} {path} is not a directory", f"move {path} away")
+
+
+def copy_hashed(source: Path, dest: Path) -> str:
+    """Copy `source` to `dest` (created), returning the sha256 of the bytes actually written, synced to disk."""
+    h = hashlib.sha256()
+    with source.open("rb") as src, dest.open("wb") as out:
+        while chunk := src.read(_CHUNK):
+            h.update(chunk)
+            out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class PlannedWheel:
+    """A wheel checked against the index, ready to be written: every refusal has happened already."""
+
+    source: Path
+    sha256: str  # what the copy must hash to
+    meta: WheelMeta
+    record: Mapping[str, Any]  # the publish record (report, profile, binding, ...)
+    present: bool  # the same file is already published (nothing to copy)
+
+
+@dataclass
+class Staged:
+    """Wheels copied beside their final names, not yet renamed into place."""
+
+    planned: tuple[PlannedWheel, ...]
+    pdirs: list[Path]
+    created: list[Path]  # directories the staging created (removed again on abort)
+    parts: list[tuple[Path, Path]]  # (part, final name)
+
+
+class LocalIndex:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.simple = root / "simple"
+
+    def project_dir(self, project: str) -> Path:
+        return self.simple / project
+
+    def check_dirs(self, *extra: Path) -> None:
+        real_dir(self.root, "index directory")
+        real_dir(self.simple, "index directory")
+        for d in extra:
+            real_dir(d, "index directory")
+
+    def plan(self, source: Path, sha256: str, record: Mapping[str, Any]) -> PlannedWheel:
+        """Check `source` (published as the file whose sha256 is `sha256`) against the index; nothing written."""
+        meta = read_wheel_meta(source)
+        pdir = self.project_dir(meta.project)
+        self.check_dirs(pdir)
+        dest = pdir / source.name
+        present = False
+        for path, want, what in (
+            (dest, sha256, "wheel"),
+            (dest.with_name(dest.name + METADATA_SUFFIX), hashlib.sha256(meta.metadata).hexdigest(), "metadata"),
+        ):
+            if path.is_symlink() or (path.exists() and not path.is_file()):
+                raise PublishRefusedError(f"{path} is not a regular file", f"remove {path} from the index")
+            if path.exists():
+                if sha256_file(path) != want:
+                    raise PublishRefusedError(
+                        f"{path} already exists with different content",
+                        "published files are immutable; bump the version",
+                    )
+                present = present or what == "wheel"
+        return PlannedWheel(source, sha256, meta, dict(record), present)
+
+    def write(self, *planned: PlannedWheel) -> list[Path]:
+        """Publish planned wheels (stage, then commit)."""
+        return self.commit(self.stage(*planned))
+
+    def stage(self, *planned: PlannedWheel) -> Staged:
+        """Copy each wheel to a hidden `.part` beside its final name, hashed as it is written. Any refused copy
+        removes every part and every directory this call created: the index is as it was."""
+        pdirs = sorted({self.project_dir(p.meta.project) for p in planned})
+        created = [d for d in (self.root, self.simple, *pdirs) if not d.exists()]
+        staged = Staged(planned, pdirs, created, [])
+        try:
+            for d in created:
+                d.mkdir(exist_ok=True)
+            for p in planned:
+                dest = self.project_dir(p.meta.project) / p.meta.filename
+                if not p.present:
+                    staged.parts.append((self._stage(p.source, dest, p.sha256, p.meta), dest))
+        except BaseException as exc:
+            self.abort(staged)
+            if isinstance(exc, OSError):
+                raise storage_error(exc, self.simple, "write the index in") from None
+            raise
+        return staged
+
+    def abort(self, staged: Staged) -> None:
+        for part, _ in staged.parts:
+            with contextlib.suppress(OSError):
+                part.unlink()
+        for d in reversed(staged.created):
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only when empty: what this run created and nothing else
+
+    def commit(self, staged: Staged) -> list[Path]:
+        """Rename the parts into place, then write the metadata files, records and pages."""
+        out: list[Path] = []
+        try:
+            for d in staged.pdirs:
+                sweep_stale(d)  # a killed earlier run's `.part` (never one of ours: our pid is alive)
+            for part, dest in staged.parts:
+                os.replace(part, dest)
+            for p in staged.planned:
+                dest = self.project_dir(p.meta.project) / p.meta.filename
+                self._write_file(dest.with_name(dest.name + METADATA_SUFFIX), p.meta.metadata)
+                record = json.dumps(dict(p.record), indent=2, sort_keys=True, allow_nan=False) + "\n"
+                self._write_file(dest.with_name(dest.name + RECORD_SUFFIX), record.encode())
+                out.append(dest)
+            for d in staged.pdirs:
+                self._project_pages(d.name)
+            self._root_pages()
+        except OSError as exc:
+            raise storage_error(exc, self.simple, "write the index in") from None
+        return out
+
+    def _stage(self, source: Path, dest: Path, sha256: str, meta: WheelMeta) -> Path:
+        """Copy `source` to a hidden part beside `dest`; refused (part removed) unless its bytes hash to `sha256`
+        and say the same METADATA as planned."""
+        part = temp_sibling(dest, ".part")
+        try:
+            got = copy_hashed(source, part)
+            if got != sha256:
+                raise PublishRefusedError(
+                    f"{source} changed: the bytes copied have sha256 {got}, not the validated {sha256}",
+                    "publish again from an untouched copy of the validated wheel",
+                )
+            if read_wheel_meta(part, meta.filename) != meta:  # the very bytes published say the same
+                raise PublishRefusedError(f"{source} changed while it was published", "publish it again")
+        except BaseException:
+            with contextlib.suppress(OSError):
+                part.unlink()
+            raise
+        return part
+
+    @staticmethod
+    def _write_file(path: Path, data: bytes) -> None:
+        if path.is_file() and path.read_bytes() == data:
+            return
+        tmp = temp_sibling(path)
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+
+    def _files(self, pdir: Path) -> list[Path]:
+        return sorted(p for p in pdir.iterdir() if p.name.endswith(".whl") and p.is_file() and not p.is_symlink())
+
+    def _project_pages(self, project: str) -> None:
+        pdir = self.project_dir(project)
+        links: list[tuple[str, str, dict[str, str]]] = []
+        entries: list[dict[str, Any]] = []
+        versions: set[str] = set()
+        for f in self._files(pdir):
+            meta_path = f.with_name(f.name + METADATA_SUFFIX)
+            try:
+                meta: WheelMeta | None = read_wheel_meta(f)
+            except PublishRefusedError:
+                meta = None  # a file put there by hand, not by publish: listed, but nothing read from it
+            if meta is not None:
+                versions.add(meta.version)
+            sha = sha256_file(f)
+            attrs: dict[str, str] = {}
+            entry: dict[str, Any] = {"filename": f.name, "url": f.name, "hashes": {"sha256": sha}}
+            entry["size"] = f.stat().st_size
+            if meta is not None and meta.requires_python:
+                attrs["data-requires-python"] = meta.requires_python
+                entry["requires-python"] = meta.requires_python
+            if meta_path.is_file():
+                msha = hashlib.sha256(meta_path.read_bytes()).hexdigest()
+                attrs["data-dist-info-metadata"] = attrs["data-core-metadata"] = f"sha256={msha}"
+                entry["core-metadata"] = entry["dist-info-metadata"] = {"sha256": msha}
+            record = f.with_name(f.name + RECORD_SUFFIX)
+            if record.is_file():
+                with contextlib.suppress(ValueError):
+                    entry["_vllm_dflash"] = json.loads(record.read_text())
+            links.append((f"{f.name}#sha256={sha}", f.name, attrs))
+            entries.append(entry)
+        doc = {"meta": {"api-version": API_VERSION}, "name": project, "files": entries, "versions": sorted(versions)}
+        self._write_file(pdir / "index.html", _page(f"Links for {project}", links).encode())
+        self._write_file(pdir / "index.json", (json.dumps(doc, indent=2, allow_nan=False) + "\n").encode())
+
+    def _root_pages(self) -> None:
+        projects = sorted(d.name for d in self.simple.iterdir() if d.is_dir() and not d.is_symlink())
+        self._write_file(
+            self.simple / "index.html", _page("Simple index", [(f"{p}/", p, {}) for p in projects]).encode()
+        )
+        doc = {"meta": {"api-version": API_VERSION}, "projects": [{"name": p} for p in projects]}
+        self._write_file(self.simple / "index.json", (json.dumps(doc, indent=2) + "\n").encode())
+
+
+def _page(title: str, links: list[tuple[str, str, dict[str, str]]]) -> str:
+    def anchor(href: str, text: str, attrs: Mapping[str, str]) -> str:
+        extra = "".join(f' {k}="{html.escape(v)}"' for k, v in attrs.items())
+        return f'    <a href="{html.escape(href)}"{extra}>{html.escape(text)}</a><br/>'
+
+    items = "\n".join(anchor(h, t, a) for h, t, a in links)
+    return (
+        f'<!DOCTYPE html>\n<html>\n  <head><meta name="pypi:repository-version" content="{API_VERSION}">'
+        f"<title>{html.escape(title)}</title></head>\n  <body>\n{items}\n  </body>\n</html>\n"
+    )
