@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -29,6 +30,7 @@ from test_publish import make_wheel
 
 from vllm_dflash.cli import main
 from vllm_dflash.fetch import sha256_file
+from vllm_dflash.paths import TEMP_PREFIX
 from vllm_dflash.report import key_from_env, loads_strict, seal, write
 from vllm_dflash.validate.promptsets import load_prompts
 
@@ -319,7 +321,9 @@ def test_report_path_that_is_no_regular_file_is_refused(root: Path, tmp_path: Pa
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     run = cli(root, "validate", "--profile", PROFILE, "--endpoint", "http://127.0.0.1:9", "--report", fifo)
-    assert run.returncode == 2 and "is not a regular file" in run.stderr
+    # An output path in the way is a storage fault (exit 15), refused before anything runs, like every output.
+    assert run.returncode == 15 and "not a regular file" in run.stderr, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and stat.S_ISFIFO(fifo.lstat().st_mode)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -500,11 +504,14 @@ def test_interrupted_copy_is_cleaned_by_the_next_run(
     publish(root, index, wheel, report)
     pdir = index / "simple" / "gatedemo"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = pdir / f".gatedemo-1.0.1-py3-none-any.whl.{dead.stdout.strip()}.part"  # what a killed publish leaves
+    # What a killed publish leaves: our marked temporary name with the dead writer's pid.
+    stale = pdir / f"{TEMP_PREFIX}{dead.stdout.strip()}.0123abcd.gatedemo-1.0.1-py3-none-any.whl.part"
+    user_file = pdir / ".gatedemo-1.0.1-py3-none-any.whl.999999.part"  # not ours: never swept
+    user_file.write_bytes(b"a user's file")
     stale.write_bytes(b"half a wheel")
     second = make_wheel(tmp_path / "w2", version="1.0.1")
     publish(root, index, second, validated(second))
-    assert not stale.exists()
+    assert not stale.exists() and user_file.read_bytes() == b"a user's file"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -774,5 +781,5 @@ def test_publish_report_that_is_no_regular_file_is_refused(root: Path, tmp_path:
     fifo = tmp_path / "report.fifo"
     os.mkfifo(fifo)  # reading it would wait forever
     index = tmp_path / "index"
-    publish_refused(root, index, wheel, "--report", fifo, words="is not a regular file")
-    publish_refused(root, index, wheel, "--report", tmp_path, words="is not a regular file")
+    publish_refused(root, index, wheel, "--report", fifo, words="not a regular file")
+    publish_refused(root, index, wheel, "--report", tmp_path, words="not a regular file")

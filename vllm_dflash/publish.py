@@ -126,7 +126,7 @@ def _check_prompts(rep: ValidationReport, profile: Profile, report_path: Path) -
             f"report {report_path} measured prompt set {sent.get('set')!r}, not the profile's {own!r}", hint
         )
     try:
-        want = profile_prompts(own, profile.num_prompts)
+        want = profile_prompts(profile)
     except DflashError as exc:
         raise PublishRefusedError(
             f"cannot read the prompt set of profile '{profile.name}': {exc.message}", exc.hint

@@ -116,9 +116,10 @@ def own_prompt_set(profile: Profile) -> str:
     return str(profile.definition.get("prompts", profile.prompts))
 
 
-def profile_prompts(name: str, num_prompts: int | None) -> list[Prompt] | None:
+def profile_prompts(profile: Profile) -> list[Prompt] | None:
     """The prompts a profile sends by default (its set, its own `num_prompts` cut), or None for a set only the
-    tool can produce (`@mini`): what publish compares a report's prompt digest with."""
-    if name.startswith(PLACEHOLDER_PREFIX):
+    tool can produce (`@mini`): what publish compares a report's prompt digest with. A path is read where the
+    manifest resolved it (inside the checkout), never from the cwd."""
+    if own_prompt_set(profile).startswith(PLACEHOLDER_PREFIX):
         return None
-    return load_prompts(name, num_prompts)
+    return load_prompts(profile.prompts, profile.num_prompts)

@@ -321,7 +321,7 @@ def validate(
     own_set = own_prompt_set(profile)
     sent_set = prompt_set or own_set
     if full_count is None and sent_set == own_set:
-        own = profile_prompts(own_set, profile.num_prompts)
+        own = profile_prompts(profile)
         full_count = len(own) if own is not None else len(prompts)
     exploratory = exploratory_reason(profile, sent_set, len(prompts), full_count)
     want_baseline = profile.baseline if baseline is None else baseline
