@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -282,6 +283,7 @@ class CaseMetrics:
         default_factory=list
     )  # per request: starts of proposals drafted mid-prefill
     prompt_lengths: list[int] = field(default_factory=list)  # per request
+    elapsed_s: float = 0.0  # the oracle's time on this trace
 
 
 def read_trace(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
@@ -532,6 +534,7 @@ def _oracle_main(argv: list[str] | None = None) -> int:
         _write_json(Path(out), asdict(st))
         print(f"oracle selftest {st.case}: {st.steps_compared} steps, max |dlogit| vs loop {st.max_abs_vs_loop:.3g}")
     for case_dir, trace, out in jobs:
+        t0 = time.perf_counter()
         oracle = get(case_dir)
         metrics = evaluate(
             oracle,
@@ -543,6 +546,7 @@ def _oracle_main(argv: list[str] | None = None) -> int:
             tol=tol,
             exact_lossless=not approx_lossless,
         )
+        metrics.elapsed_s = round(time.perf_counter() - t0, 2)
         _write_json(Path(out), asdict(metrics))
         print(f"oracle {metrics.case} ({trace}): {metrics.steps} steps, max |dlogit| {metrics.main.max_abs:.3g}")
     return 0

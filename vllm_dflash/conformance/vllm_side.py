@@ -186,7 +186,7 @@ def assign_blocks(
     distinct), then checked against the block itself: its positions must be consecutive from a start inside the
     request's sequence and, for a counted proposal, its bonus token must be the request's token at that start. Where
     the runner gave no prompt, by content alone: the requests whose sequence holds the bonus token at the block's
-    start; anything but exactly one candidate is refused. One proposal step holds each request at most once, and
+    start (or, mid-prefill, its prompt's last token); anything but exactly one candidate is refused. One proposal step holds each request at most once, and
     one runner request id always maps to the same request."""
     by_sha: dict[str, Request] = {}
     for r in requests:
@@ -213,7 +213,13 @@ def assign_blocks(
             if start > len(req.seq) + len(ids):
                 raise AmbiguousMapping(f"{where}: starts beyond request {req.index}'s sequence ({len(req.seq)})")
         else:
-            candidates = [r for r in requests if start < len(r.seq) and r.seq[start] == bonus]
+            # A counted proposal's bonus is the request's token at the start; one drafted mid-prefill carries vLLM's
+            # backup token, the prompt's last token.
+            candidates = [
+                r
+                for r in requests
+                if (start < len(r.seq) and r.seq[start] == bonus) or (start < len(r.prompt) and r.prompt[-1] == bonus)
+            ]
             if len(candidates) != 1:
                 raise AmbiguousMapping(
                     f"{where}: {len(candidates)} requests fit the block's start and bonus token "

@@ -3,7 +3,8 @@
 One proposal step drafts for every request in the batch at once: the proposer runs the drafter over the stacked
 blocks [bonus, mask x k] (one per request, request i's block at query rows i*(k+1)..), computes logits for the k mask
 rows of each block and returns the drafted ids as a [batch, k] tensor. We wrap the proposer's `propose` (to see what
-it returned: the draft ids vLLM actually proposes, and which requests were in the batch), the drafter model's
+it returned: the draft ids vLLM actually proposes), the model runner's `propose_draft_token_ids` (which requests were
+in the batch, from the runner's input batch and request states), the drafter model's
 `forward` (the blocks' input ids and positions) and `compute_logits` (the logits), split the step per request, and
 append one JSON line per request block to the file named by $VLLM_DFLASH_RECORD_FILE at that moment:
     {"pid", "call", "index", "batch", "req_id", "prompt_len", "prompt_sha", "block_input_ids", "block_positions",
@@ -24,7 +25,7 @@ import os
 from typing import Any
 
 RECORD_FILE_VAR = "VLLM_DFLASH_RECORD_FILE"
-_state: dict[str, Any] = {"active": False, "block": None, "logits": None, "call": 0}
+_state: dict[str, Any] = {"active": False, "block": None, "logits": None, "call": 0, "runner": None}
 
 
 def prompt_sha(ids: list[int]) -> str:
@@ -41,9 +42,10 @@ def _tp_rank() -> int:
         return 0
 
 
-def _requests(proposer: Any, batch: int) -> list[dict[str, Any]]:
-    """What the runner says the batch's requests are, in its batch order (None entries when it cannot tell)."""
-    runner = getattr(proposer, "runner", None)
+def _requests(batch: int) -> list[dict[str, Any]]:
+    """What the model runner that called the proposer says the batch's requests are, in its batch order (None
+    entries when it cannot tell: the driver then maps by content alone)."""
+    runner = _state["runner"]
     out: list[dict[str, Any]] = []
     try:
         req_ids = list(runner.input_batch.req_ids[:batch])  # type: ignore[union-attr]
@@ -56,7 +58,7 @@ def _requests(proposer: Any, batch: int) -> list[dict[str, Any]]:
     return out
 
 
-def _write(proposer: Any, draft_ids: Any) -> None:
+def _write(draft_ids: Any) -> None:
     path = os.environ.get(RECORD_FILE_VAR)
     block, logits = _state["block"], _state["logits"]
     if not path or block is None or logits is None or draft_ids is None or _tp_rank() != 0:
@@ -73,7 +75,7 @@ def _write(proposer: Any, draft_ids: Any) -> None:
         )
     _state["call"] += 1
     lines = []
-    for i, req in enumerate(_requests(proposer, batch)):
+    for i, req in enumerate(_requests(batch)):
         lo = i * (k + 1)
         lines.append(
             json.dumps(
@@ -99,6 +101,7 @@ def install() -> None:
         return
     from vllm.model_executor.models import qwen3_dflash
     from vllm.v1.spec_decode import dflash
+    from vllm.v1.worker import gpu_model_runner
 
     cls = qwen3_dflash.DFlashQwen3ForCausalLM
     if getattr(cls, "_vllm_dflash_recorder", False):
@@ -106,6 +109,16 @@ def install() -> None:
     orig_forward = cls.forward
     orig_logits = cls.compute_logits
     orig_propose = dflash.DFlashProposer.propose
+    runner_cls = gpu_model_runner.GPUModelRunner  # the CPU runner subclasses it and keeps this method
+    orig_runner_propose = runner_cls.propose_draft_token_ids
+
+    @functools.wraps(orig_runner_propose)
+    def runner_propose(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _state["runner"] = self  # the proposer keeps no reference to its runner: remember who called it
+        try:
+            return orig_runner_propose(self, *args, **kwargs)
+        finally:
+            _state["runner"] = None
 
     @functools.wraps(orig_forward)
     def forward(self: Any, input_ids: Any, positions: Any, *args: Any, **kwargs: Any) -> Any:
@@ -127,11 +140,12 @@ def install() -> None:
             out = orig_propose(self, *args, **kwargs)
         finally:
             _state["active"] = False
-        _write(self, out)
+        _write(out)
         _state.update(block=None, logits=None)
         return out
 
     cls.forward = forward  # type: ignore[method-assign]
     cls.compute_logits = compute_logits  # type: ignore[method-assign]
     dflash.DFlashProposer.propose = propose  # type: ignore[method-assign]
+    runner_cls.propose_draft_token_ids = runner_propose  # type: ignore[method-assign]
     cls._vllm_dflash_recorder = True
