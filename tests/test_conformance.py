@@ -322,6 +322,8 @@ def test_assign_blocks_maps_by_prompt_not_by_order_and_refuses_ambiguity() -> No
     # Without the runner's prompt: by content (the request whose sequence holds the bonus at the start) ...
     unique = [_block(b.prompt, 4, 12, call=2, sha=False), _block(a.prompt, 3, 7, call=2, index=1, sha=False)]
     assert [r.index for r, _ in assign_blocks(unique, [a, b], "t")] == [1, 0]
+    # A block drafted mid-prefill carries the prompt's last token (vLLM's backup token) at a start inside the prompt.
+    assert assign_blocks([_block(b.prompt, 2, 11, call=2, sha=False)], [a, b], "t")[0][0].index == 1
     # ... and refused where two requests fit (both hold token 9 at position 5) or none does.
     c = Request(2, 2, [20, 21, 22], [23, 24, 9])
     with pytest.raises(AmbiguousMapping, match="2 requests fit"):

@@ -182,12 +182,12 @@ def assign_blocks(
 ) -> list[tuple[Request, dict[str, Any]]]:
     """Map each recorded block of one generate call to its request.
 
-    By prompt (the recorder reads the request's prompt from the runner's request state; prompts within one call are
-    distinct), then checked against the block itself: its positions must be consecutive from a start inside the
-    request's sequence and, for a counted proposal, its bonus token must be the request's token at that start. Where
-    the runner gave no prompt, by content alone: the requests whose sequence holds the bonus token at the block's
-    start (or, mid-prefill, its prompt's last token); anything but exactly one candidate is refused. One proposal step holds each request at most once, and
-    one runner request id always maps to the same request."""
+    By prompt: the recorder reads each block's prompt from the runner's request state, and prompts within one call
+    are distinct. Where the runner gave no prompt, by content alone: the requests whose sequence holds the block's
+    bonus token at its start (or, mid-prefill, whose prompt ends with it); anything but one candidate is refused.
+    Either way the block's positions must be consecutive, one proposal step holds each request at most once, and one
+    runner request id always maps to the same request. (The oracle then checks the bonus token against the output.)
+    """
     by_sha: dict[str, Request] = {}
     for r in requests:
         sha = prompt_sha(r.prompt)
