@@ -558,11 +558,15 @@ def tolerance_for(spec: CaseSpec, device: str) -> Tolerance:
     return TOLERANCES[device]
 
 
-# bf16 vLLM on CPU vs the fp32 oracle. Not measured on a CPU with avx512_bf16 here (this machine lacks it); the bounds
-# are the GPU bf16 ones, which the fp32-vs-bf16 drift of the reference drafter itself on these tiny models fits under
-# (benchmarks/bench_conformance.py --bf16-drift measures it).
+# bf16 vLLM on CPU vs the fp32 oracle, from measurement: the reference drafter itself run in bf16 instead of fp32 on
+# the bf16 case (oracle.bf16_drift; `benchmarks/bench_conformance.py --bf16-drift`) moves its logits by up to 0.25
+# (argmax equal at 137/144 positions, 112/113 where the fp32 top-2 gap exceeds 0.1; the bf16 target's own greedy output
+# differs from fp32's on 2/2 prompts). So: max |dlogit| <= 0.5 (2x the drift of the computation itself); argmax must
+# agree where the gap exceeds 1.0 (a logit moving <= 0.5 cannot flip a gap above 2 x 0.5); the negative control
+# (full attention, 5.8-6.5 away in fp32) must be > 2.0 off; lossless is compared up to the first fp32 near-tie, and
+# the exact rate is reported. Not run here: this CPU has no avx512_bf16.
 CPU_BF16_TOLERANCE = Tolerance(
-    device="cpu", dtype="bfloat16", max_abs_logit=5e-2, tie_margin=1e-1, negative_min=2.5e-1, exact_lossless=False
+    device="cpu", dtype="bfloat16", max_abs_logit=0.5, tie_margin=1.0, negative_min=2.0, exact_lossless=False
 )
 
 

@@ -492,6 +492,51 @@ def selftest(oracle: ReferenceOracle, max_new_tokens: int = 16) -> SelfTest:
     return result
 
 
+def bf16_drift(oracle: ReferenceOracle, dtype: str = "bfloat16") -> dict[str, Any]:
+    """How far the reference's own drafter moves when the same computation runs in `dtype` instead of fp32: at every
+    position of each prompt's fp32 greedy continuation, the drafter logits of both, their max |dlogit|, argmax
+    agreement (all positions, and where the fp32 top-2 gap exceeds 0.1) and the target's own greedy agreement.
+    The measurement behind the bf16 tolerance (cases.CPU_BF16_TOLERANCE); benchmarks/bench_conformance.py prints it."""
+    import copy
+
+    import torch
+
+    low = getattr(torch, dtype)
+    target_lo = copy.deepcopy(oracle.target).to(low)
+    drafter_lo = copy.deepcopy(oracle.drafter).to(low)
+    head_lo = copy.deepcopy(oracle.head).to(low)
+    out: dict[str, Any] = {"case": oracle.case.name, "dtype": dtype, "max_abs": 0.0, "agree": 0, "total": 0}
+    out.update(decided_agree=0, decided_total=0, greedy_equal=0, prompts=len(oracle.case.prompts))
+    for prompt in oracle.case.prompts:
+        want, _ = oracle.greedy(prompt, oracle.case.max_tokens)
+        ids = list(prompt) + want
+        for start in range(len(prompt), len(ids)):
+            hs = oracle.hidden_states(ids[:start])
+            ref = oracle.draft_logits(hs, start, ids[start], variant(MAIN))
+            saved = oracle.target, oracle.drafter, oracle.head
+            oracle.target, oracle.drafter, oracle.head = target_lo, drafter_lo, head_lo
+            try:
+                got = oracle.draft_logits(oracle.hidden_states(ids[:start]), start, ids[start], variant(MAIN)).float()
+            finally:
+                oracle.target, oracle.drafter, oracle.head = saved
+            out["max_abs"] = max(out["max_abs"], float((got - ref).abs().max()))
+            same = got.argmax(-1) == ref.argmax(-1)
+            top = torch.topk(ref, 2, dim=-1).values
+            decided = (top[:, 0] - top[:, 1]) > 0.1
+            out["agree"] += int(same.sum())
+            out["total"] += int(same.numel())
+            out["decided_agree"] += int((same & decided).sum())
+            out["decided_total"] += int(decided.sum())
+        saved = oracle.target
+        oracle.target = target_lo
+        try:
+            low_greedy, _ = oracle.greedy(prompt, oracle.case.max_tokens)
+        finally:
+            oracle.target = saved
+        out["greedy_equal"] += int(low_greedy == want)
+    return out
+
+
 def variants_for(case_name: str) -> tuple[str, ...]:
     spec = C.get_cases([case_name])[0]
     return (*spec.negatives, C.STOCK_MODEL)
@@ -509,7 +554,8 @@ def _oracle_main(argv: list[str] | None = None) -> int:
     job = json.loads((argv if argv is not None else sys.argv[1:])[0])
     jobs: list[list[str]] = job.get("jobs") or []
     selftests: list[list[str]] = job.get("selftests") or []
-    if not jobs and not selftests:
+    drifts: list[list[str]] = job.get("bf16_drift") or []  # [[case dir, out json], ...]
+    if not jobs and not selftests and not drifts:
         raise SystemExit("oracle: give at least one job or selftest")
     tie_margin = float(job.get("tie_margin", 0.0))
     tol = float(job.get("tol", 1e-4))
@@ -533,6 +579,10 @@ def _oracle_main(argv: list[str] | None = None) -> int:
         st = selftest(get(case_dir))
         _write_json(Path(out), asdict(st))
         print(f"oracle selftest {st.case}: {st.steps_compared} steps, max |dlogit| vs loop {st.max_abs_vs_loop:.3g}")
+    for case_dir, out in drifts:
+        drift = bf16_drift(get(case_dir))
+        _write_json(Path(out), drift)
+        print(f"oracle bf16 drift {drift['case']}: max |dlogit| {drift['max_abs']:.3g}", flush=True)
     for case_dir, trace, out in jobs:
         t0 = time.perf_counter()
         oracle = get(case_dir)

@@ -243,6 +243,12 @@ def _executor_kwargs(case: dict[str, Any], device: str, executor: str) -> dict[s
     """`uni`: the worker in this process (UniProcExecutor, see `_executor`); `mp`: vLLM's engine core and a worker
     process per rank, OMP threads bound one core set per rank (tensor parallel needs it)."""
     tp = int(case.get("tensor_parallel_size", 1))
+    # vLLM caches its environment variables once an engine has started (envs.enable_envs_cache); the previous case's
+    # engine must not decide how this one runs.
+    import vllm.envs
+
+    if hasattr(vllm.envs, "disable_envs_cache"):
+        vllm.envs.disable_envs_cache()
     if device != "cpu":
         return {"tensor_parallel_size": tp}
     if tp == 1 and executor == "uni":
