@@ -13,6 +13,9 @@ times a warm run of the old cases alone, so the old and the new total stand side
 once with the in-process worker (`uni`, UniProcExecutor) and once with vLLM's engine and worker processes (`mp`,
 OMP threads bound), and prints vLLM init and generate seconds per case side by side.
 
+--bf16-drift: the reference drafter run in bf16 against itself in fp32 on the bf16 case (the measurement behind the
+CPU bf16 tolerance, runnable on any CPU).
+
 Never fails on time; exits with the run's status.
 """
 
@@ -120,13 +123,48 @@ def _executors(cases: list[str]) -> int:
     return 0 if ok else 1
 
 
+def _bf16_drift() -> int:
+    """The reference drafter in bf16 vs fp32 on the bf16 case: the measurement behind cases.CPU_BF16_TOLERANCE."""
+    import tempfile
+
+    from vllm_dflash.conformance import compare
+    from vllm_dflash.envs import reference_python
+    from vllm_dflash.manifest import load_manifest
+
+    manifest = load_manifest(REPO)
+    ref = reference_python(manifest)
+    spec = C.get_cases(["bf16"])[0]
+    case = compare.ensure_cases(manifest, ref, [spec])[spec.name]
+    with tempfile.TemporaryDirectory() as td:
+        out = Path(td) / "drift.json"
+        job = json.dumps({"bf16_drift": [[str(case), str(out)]]})
+        cmd = [str(ref), "-m", "vllm_dflash.conformance.oracle", job]
+        print("+ " + " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+        d = json.loads(out.read_text())
+    tol = C.CPU_BF16_TOLERANCE
+    print(
+        f"reference drafter bf16 vs fp32 on {d['case']}: max |dlogit| {d['max_abs']:.3g}, argmax {d['agree']}/"
+        f"{d['total']} ({d['decided_agree']}/{d['decided_total']} where the top-2 gap > 0.1), target greedy equal "
+        f"on {d['greedy_equal']}/{d['prompts']} prompts"
+    )
+    print(
+        f"tolerance: max |dlogit| {tol.max_abs_logit:g} = {tol.max_abs_logit / max(d['max_abs'], 1e-9):.1f}x the "
+        f"measured drift; argmax compared where the gap > {tol.tie_margin:g}"
+    )
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--skip-warmup", action="store_true", help="caches are known to be warm: time the first run")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--old-vs-new", action="store_true", help="also time a warm run of the old cases alone")
     ap.add_argument("--executors", action="store_true", help="compare the uni and mp CPU executors")
+    ap.add_argument("--bf16-drift", action="store_true", help="measure the reference drafter's bf16 vs fp32 drift")
     args, extra = ap.parse_known_args()
+    if args.bf16_drift:
+        return _bf16_drift()
     if args.executors:
         cases = extra[extra.index("--cases") + 1 :] if "--cases" in extra else ["mixed", "batched"]
         return _executors(cases)

@@ -231,6 +231,73 @@ def test_zero_lm_head_reference_accepts_every_draft(selftests: dict[str, Any]) -
     assert st["max_abs_vs_loop"] == 0.0 and st["loop_is_greedy"]
 
 
+_TRACE_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+from vllm_dflash.conformance import oracle as O
+
+case_dir, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+orc = O.ReferenceOracle(case_dir)
+prompt = orc.case.prompts[0]
+output, _ = orc.greedy(prompt, orc.case.max_tokens)
+seq = prompt + output
+mask = int(orc.drafter.mask_token_id)
+lines = []
+for start in (len(prompt), len(prompt) + 5):
+    hs = orc.hidden_states(seq[:start])
+    logits = orc.draft_logits(hs, start, seq[start], O.variant(O.MAIN))
+    lines.append({
+        "request": 0, "kind": "verified", "token_ids": seq[: start + 1], "context_len": start, "block_start": start,
+        "block_input_ids": [seq[start]] + [mask] * orc.k, "block_positions": list(range(start, start + orc.k + 1)),
+        "logits": logits.tolist(), "draft_ids": logits.argmax(-1).tolist(),
+    })
+summary = {"outputs": [output], "request_prompts": [0], "num_drafts": 2, "num_proposals_recorded": 2}
+
+
+def run(name, edit):
+    recs = json.loads(json.dumps(lines))
+    edit(recs[0])
+    path = out_dir / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*recs, {"summary": summary}]))
+    m = O.evaluate(orc, path, ())
+    return {"consistent": m.trace_consistent, "problems": m.trace_problems, "agree": m.main.argmax_agree,
+            "total": m.main.argmax_total, "max_abs": m.main.max_abs}
+
+
+def flip(rec):
+    rec["draft_ids"][0] = (rec["draft_ids"][0] + 1) % 512
+
+
+result = {
+    "valid": run("valid", lambda r: None),
+    "bonus": run("bonus", lambda r: r["block_input_ids"].__setitem__(0, (r["block_input_ids"][0] + 1) % 256)),
+    "mask": run("mask", lambda r: r["block_input_ids"].__setitem__(1, 0)),
+    "positions": run("positions", lambda r: r["block_positions"].__setitem__(2, 0)),
+    "no_drafts": run("no_drafts", lambda r: r.pop("draft_ids")),
+    "drafts": run("drafts", flip),
+}
+print("RESULT " + json.dumps(result))
+"""
+
+
+@pytest.mark.network
+def test_trace_check_compares_with_what_the_recorder_did_not_build(
+    ref_python: Path, built_cases: dict[str, Path], tmp_path: Path
+) -> None:
+    """The oracle's trace check on a trace made from the oracle itself: valid, it passes with zero difference; a
+    bonus token that is not the output's, a block without mask tokens, broken positions or missing draft ids make it
+    inconsistent; draft ids that are not the logits' argmax (what vLLM proposed differing from what it computed) are
+    counted as argmax disagreements."""
+    run = _in_ref(ref_python, "-c", _TRACE_SCRIPT, built_cases["mixed"], tmp_path)
+    got = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    valid = got["valid"]
+    assert valid["consistent"] and valid["max_abs"] == 0.0 and valid["agree"] == valid["total"] == 6, valid
+    for name, word in (("bonus", "bonus token"), ("mask", "mask tokens"), ("positions", "positions")):
+        assert not got[name]["consistent"] and word in got[name]["problems"][0], (name, got[name])
+    assert not got["no_drafts"]["consistent"] and "no draft ids" in got["no_drafts"]["problems"][0]
+    assert got["drafts"]["consistent"] and got["drafts"]["agree"] == got["drafts"]["total"] - 1, got["drafts"]
+
+
 # ---- verdicts ----------------------------------------------------------------------------------------------------
 
 

@@ -578,7 +578,7 @@ def render(result: ConformanceResult) -> None:
     from rich.table import Table
 
     # Not a terminal (CI logs, pytest): rich would wrap the table at 80 columns and truncate the headers.
-    console = Console(width=None if sys.stdout.isatty() else 132)
+    console = Console(width=None if sys.stdout.isatty() else 160)
     table = Table(title=f"DFlash conformance vs dflash 0.1.0 reference ({result.device})")
     cols = (
         "case",

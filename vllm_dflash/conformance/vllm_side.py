@@ -114,7 +114,7 @@ def check_refusal(case_dir: Path, out_path: Path, llm_kwargs: dict[str, Any], re
         else:
             del llm
             gc.collect()
-    found = next((line for line in [error, *lines] if refusal in line), None)
+    found = next((line for line in [*error.splitlines(), *lines] if refusal in line), None)
     summary = {"case": case_dir.name, "refused": refused, "refusal_line": found, "error": error[:2000]}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({"summary": summary}) + "\n")
