@@ -10,8 +10,8 @@ cases that existed before the serving-condition cases and the serving cases summ
 times a warm run of the old cases alone, so the old and the new total stand side by side.
 
 --executors: the CPU executor choice, measured. Runs the patched build on the given cases (default: mixed, batched)
-once with the in-process worker (`uni`, UniProcExecutor) and once with vLLM's engine and worker processes (`mp`,
-OMP threads bound), and prints vLLM init and generate seconds per case side by side.
+with the in-process worker (`uni`, UniProcExecutor; `uni-1t`, the same with one OpenMP thread) and with vLLM's engine
+and worker processes (`mp`, OMP threads bound), and prints vLLM init and generate seconds per case side by side.
 
 --bf16-drift: the reference drafter run in bf16 against itself in fp32 on the bf16 case (the measurement behind the
 CPU bf16 tolerance, runnable on any CPU).
@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from vllm_dflash.conformance import cases as C  # noqa: E402
+from vllm_dflash.conformance.vllm_side import EXECUTORS  # noqa: E402
 
 OLD_CASES = tuple(c.name for c in C.CASES if not c.is_serving)
 
@@ -96,7 +97,7 @@ def _executors(cases: list[str]) -> int:
     rows: dict[str, dict[str, dict[str, float]]] = {}
     walls: dict[str, float] = {}
     ok = True
-    for executor in ("uni", "mp"):
+    for executor in EXECUTORS:
         print(f"+ conformance --build patched --cases {' '.join(cases)} (executor {executor})", flush=True)
         t0 = time.perf_counter()
         result = run_conformance(
@@ -112,14 +113,14 @@ def _executors(cases: list[str]) -> int:
         walls[executor] = time.perf_counter() - t0
         ok = ok and result.ok
         rows[executor] = {case: row for (_, case), row in _costs(result.work_dir).items()}  # type: ignore[misc]
-    print(f"\n{'case':16s} {'uni init':>9s} {'uni gen':>8s} {'mp init':>8s} {'mp gen':>7s}")
+    print("\n" + f"{'case':16s}" + "".join(f" {e + ' init':>11s} {e + ' gen':>10s}" for e in EXECUTORS))
     for case in cases:
-        u, m = rows["uni"].get(case, {}), rows["mp"].get(case, {})
-        print(
-            f"{case:16s} {u.get('init', 0):9.1f} {u.get('generate', 0):8.1f} {m.get('init', 0):8.1f} "
-            f"{m.get('generate', 0):7.1f}"
+        cells = "".join(
+            f" {rows[e].get(case, {}).get('init', 0):11.1f} {rows[e].get(case, {}).get('generate', 0):10.1f}"
+            for e in EXECUTORS
         )
-    print(f"wall (patched build only, incl. oracle): uni {walls['uni']:.1f} s, mp {walls['mp']:.1f} s")
+        print(f"{case:16s}{cells}")
+    print("wall (patched build only, incl. oracle): " + ", ".join(f"{e} {walls[e]:.1f} s" for e in EXECUTORS))
     return 0 if ok else 1
 
 

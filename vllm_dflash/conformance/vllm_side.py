@@ -43,6 +43,9 @@ PLUGIN_ENABLE_VAR = "VLLM_DFLASH_TEST_PLUGIN"
 RECORD_FILE_VAR = "VLLM_DFLASH_RECORD_FILE"  # the plugin's recorder appends one line per proposal here
 # The CPU executor for single-rank cases (benchmarks/bench_conformance.py --executors measures both).
 DEFAULT_EXECUTOR = "uni"
+# uni: the worker in this process (UniProcExecutor), torch's default threads; uni-1t: the same with one OpenMP
+# thread; mp: vLLM's engine core and one worker process per rank, OMP threads bound per rank.
+EXECUTORS = ("uni", "uni-1t", "mp")
 _SPEC_METRICS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
@@ -251,7 +254,7 @@ def _executor_kwargs(case: dict[str, Any], device: str, executor: str) -> dict[s
         vllm.envs.disable_envs_cache()
     if device != "cpu":
         return {"tensor_parallel_size": tp}
-    if tp == 1 and executor == "uni":
+    if tp == 1 and executor in ("uni", "uni-1t"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return {"distributed_executor_backend": _executor(device)}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
@@ -421,6 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     job = json.loads((argv if argv is not None else sys.argv[1:])[0])
     device = str(job.get("device", "cpu"))
     executor = str(job.get("executor", DEFAULT_EXECUTOR))
+    if executor not in EXECUTORS:
+        raise SystemExit(f"vllm_side: unknown executor {executor!r}; one of {', '.join(EXECUTORS)}")
+    if executor == "uni-1t":
+        # One OpenMP thread in this process, set before torch starts its pool: the in-process worker cannot bind
+        # threads, and two unbound threads spin-waiting on a loaded 2-core machine cost far more than they give.
+        os.environ["OMP_NUM_THREADS"] = "1"
     for case_dir, out in ((Path(c), Path(o)) for c, o in job["jobs"]):
         out.parent.mkdir(parents=True, exist_ok=True)
         record_file = out.with_name(out.name + ".records")
