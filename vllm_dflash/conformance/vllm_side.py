@@ -41,8 +41,11 @@ from typing import Any
 
 PLUGIN_ENABLE_VAR = "VLLM_DFLASH_TEST_PLUGIN"
 RECORD_FILE_VAR = "VLLM_DFLASH_RECORD_FILE"  # the plugin's recorder appends one line per proposal here
-# The CPU executor for single-rank cases (benchmarks/bench_conformance.py --executors measures both).
-DEFAULT_EXECUTOR = "uni"
+# The CPU executor for single-rank cases, chosen by measurement (benchmarks/bench_conformance.py --executors; 2 cores,
+# load ~10-17, chunked / prefix-cached patched): uni init 11.2 / 1.6 s, generate 10.7 / 41.7 s; uni-1t init 49.2 (the
+# process's first engine) / 8.3 s, generate 1.4 / 2.6 s; mp init 109 s, generate 7.6 s (chunked). One OpenMP thread
+# in process wins: mp pays an engine and a worker process per case, two unbound threads spin-wait.
+DEFAULT_EXECUTOR = "uni-1t"
 # uni: the worker in this process (UniProcExecutor), torch's default threads; uni-1t: the same with one OpenMP
 # thread; mp: vLLM's engine core and one worker process per rank, OMP threads bound per rank.
 EXECUTORS = ("uni", "uni-1t", "mp")
@@ -397,7 +400,7 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
         "proposals_beyond_output": kinds["beyond-output"],
         "proposals_by_kind": kinds,
         "prefix_cache_hits_by_round": hits_after_round,
-        "executor": "mp" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1" else "uni",
+        "executor": "mp" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1" else executor,
         "tensor_parallel_size": int(case.get("tensor_parallel_size", 1)),
         "dtype": llm_kwargs["dtype"],
         "vllm_version": __import__("vllm").__version__,
