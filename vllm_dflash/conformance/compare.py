@@ -491,8 +491,16 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
             if build in s.builds and s.name not in skipped
         ]
         (work / build).mkdir(parents=True, exist_ok=True)
-        for name, msg in run_vllm_side(runner, jobs, options.device, options.executor).items():
-            side_errors[(build, name)] = msg
+        # Tensor-parallel cases in a process of their own: a fresh process starts vLLM's engine and worker processes
+        # without the memory the single-rank cases' in-process engines left behind.
+        by_name = {s.name: s for s in specs}
+        groups = [
+            [j for j in jobs if by_name[j[0]].tensor_parallel_size == 1],
+            [j for j in jobs if by_name[j[0]].tensor_parallel_size > 1],
+        ]
+        for group in (g for g in groups if g):
+            for name, msg in run_vllm_side(runner, group, options.device, options.executor).items():
+                side_errors[(build, name)] = msg
 
     # One oracle process per tolerance (bf16 cases compare with looser bounds than fp32 ones).
     for case_tol in {C.tolerance_for(s, options.device) for s in specs}:
