@@ -1,10 +1,22 @@
 """Benchmark: a whole WARM `vllm-dflash conformance` run (both builds, every case) against the 5-minute goal.
 
-    python benchmarks/bench_conformance.py [--skip-warmup] [--device cpu] [conformance args...]
+    python benchmarks/bench_conformance.py [--skip-warmup] [--device cpu] [--old-vs-new] [conformance args...]
+    python benchmarks/bench_conformance.py --executors [--cases CASE ...]
 
-Runs the command once to warm every cache (reference env, tiny cases, patched wheel, vLLM envs) unless
---skip-warmup, then times a second run and prints the wall time, the ratio to the goal (<= 1.0 meets it) and where
-the time went (vLLM init / generate per case, from the traces). Never fails on time; exits with the run's status.
+Default: runs the command once to warm every cache (reference env, tiny cases, patched wheel, vLLM envs) unless
+--skip-warmup, then times a second run and prints the wall time, the ratio to the goal (<= 1.0 meets it) and where the
+time went (vLLM init / generate and oracle seconds per build and case, from the run's traces and metrics), with the
+cases that existed before the serving-condition cases and the serving cases summed separately. --old-vs-new also
+times a warm run of the old cases alone, so the old and the new total stand side by side.
+
+--executors: the CPU executor choice, measured. Runs the patched build on the given cases (default: mixed, batched)
+with the in-process worker (`uni`, UniProcExecutor; `uni-1t`, the same with one OpenMP thread) and with vLLM's engine
+and worker processes (`mp`, OMP threads bound), and prints vLLM init and generate seconds per case side by side.
+
+--bf16-drift: the reference drafter run in bf16 against itself in fp32 on the bf16 case (the measurement behind the
+CPU bf16 tolerance, runnable on any CPU).
+
+Never fails on time; exits with the run's status.
 """
 
 from __future__ import annotations
@@ -18,6 +30,12 @@ from pathlib import Path
 
 GOAL_S = 300.0
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from vllm_dflash.conformance import cases as C  # noqa: E402
+from vllm_dflash.conformance.vllm_side import EXECUTORS  # noqa: E402
+
+OLD_CASES = tuple(c.name for c in C.CASES if not c.is_serving)
 
 
 def _run(extra: list[str], report: Path) -> tuple[int, float]:
@@ -28,36 +46,141 @@ def _run(extra: list[str], report: Path) -> tuple[int, float]:
     return rc, time.perf_counter() - t0
 
 
-def _breakdown(report: Path) -> list[str]:
-    """Per build and case: vLLM init and generate seconds, from the traces of the run the report describes."""
+def _costs(work: Path | None) -> dict[tuple[str, str], dict[str, float]]:
+    """(build, case) -> vLLM init / generate and oracle seconds, from one run's traces and metrics."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for trace in sorted(work.glob("*/*.jsonl")) if work else []:
+        lines = trace.read_text().strip().splitlines()
+        summary = json.loads(lines[-1]).get("summary", {}) if lines else {}
+        row = {"init": float(summary.get("init_s", 0.0)), "generate": float(summary.get("generate_s", 0.0))}
+        metrics = trace.with_name(trace.stem + ".metrics.json")
+        if metrics.is_file():
+            row["oracle"] = float(json.loads(metrics.read_text()).get("elapsed_s", 0.0))
+        row["executor"] = summary.get("executor", "-")
+        out[(trace.parent.name, trace.stem)] = row
+    return out
+
+
+def _work_dir(report: Path) -> Path | None:
     try:
         work = json.loads(report.read_text()).get("work_dir")
     except (OSError, json.JSONDecodeError):
-        return []
+        return None
+    return Path(work) if work else None
+
+
+def _breakdown(report: Path) -> list[str]:
+    costs = _costs(_work_dir(report))
     lines = []
-    for trace in sorted(Path(work).glob("*/*.jsonl")) if work else []:
-        last = trace.read_text().strip().splitlines()[-1]
-        summary = json.loads(last).get("summary", {})
-        if "init_s" in summary:
-            lines.append(
-                f"  {trace.parent.name:8s} {trace.stem:14s} vLLM init {summary['init_s']:6.1f} s, "
-                f"generate {summary['generate_s']:6.1f} s"
-            )
+    sums = {"old": 0.0, "serving": 0.0}
+    for (build, case), row in costs.items():
+        total = row["init"] + row["generate"] + row.get("oracle", 0.0)
+        sums["old" if case in OLD_CASES else "serving"] += total
+        lines.append(
+            f"  {build:8s} {case:16s} vLLM init {row['init']:6.1f} s, generate {row['generate']:6.1f} s, "
+            f"oracle {row.get('oracle', 0.0):6.1f} s ({row['executor']})"
+        )
+    lines.append(
+        f"  per-case seconds summed: old cases {sums['old']:.1f} s, serving cases {sums['serving']:.1f} s "
+        "(the rest of the wall time: process start-up, imports, environment checks)"
+    )
     return lines
 
 
+def _executors(cases: list[str]) -> int:
+    from vllm_dflash.conformance.compare import ConformanceOptions, run_conformance
+    from vllm_dflash.manifest import load_manifest
+    from vllm_dflash.series import read_queues
+
+    manifest = load_manifest(REPO)
+    queues = read_queues(manifest.series_path, manifest.cpu_series_path)
+    rows: dict[str, dict[str, dict[str, float]]] = {}
+    walls: dict[str, float] = {}
+    ok = True
+    for executor in EXECUTORS:
+        print(f"+ conformance --build patched --cases {' '.join(cases)} (executor {executor})", flush=True)
+        t0 = time.perf_counter()
+        result = run_conformance(
+            manifest,
+            queues,
+            ConformanceOptions(
+                builds=("patched",),
+                cases=tuple(cases),
+                executor=executor,
+                report=REPO / "dist" / f"bench-conformance-{executor}.json",
+            ),
+        )
+        walls[executor] = time.perf_counter() - t0
+        ok = ok and result.ok
+        rows[executor] = {case: row for (_, case), row in _costs(result.work_dir).items()}  # type: ignore[misc]
+    print("\n" + f"{'case':16s}" + "".join(f" {e + ' init':>11s} {e + ' gen':>10s}" for e in EXECUTORS))
+    for case in cases:
+        cells = "".join(
+            f" {rows[e].get(case, {}).get('init', 0):11.1f} {rows[e].get(case, {}).get('generate', 0):10.1f}"
+            for e in EXECUTORS
+        )
+        print(f"{case:16s}{cells}")
+    print("wall (patched build only, incl. oracle): " + ", ".join(f"{e} {walls[e]:.1f} s" for e in EXECUTORS))
+    return 0 if ok else 1
+
+
+def _bf16_drift() -> int:
+    """The reference drafter in bf16 vs fp32 on the bf16 case: the measurement behind cases.CPU_BF16_TOLERANCE."""
+    import tempfile
+
+    from vllm_dflash.conformance import compare
+    from vllm_dflash.envs import reference_python
+    from vllm_dflash.manifest import load_manifest
+
+    manifest = load_manifest(REPO)
+    ref = reference_python(manifest)
+    spec = C.get_cases(["bf16"])[0]
+    case = compare.ensure_cases(manifest, ref, [spec])[spec.name]
+    with tempfile.TemporaryDirectory() as td:
+        out = Path(td) / "drift.json"
+        job = json.dumps({"bf16_drift": [[str(case), str(out)]]})
+        cmd = [str(ref), "-m", "vllm_dflash.conformance.oracle", job]
+        print("+ " + " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+        d = json.loads(out.read_text())
+    tol = C.CPU_BF16_TOLERANCE
+    print(
+        f"reference drafter bf16 vs fp32 on {d['case']}: max |dlogit| {d['max_abs']:.3g}, argmax {d['agree']}/"
+        f"{d['total']} ({d['decided_agree']}/{d['decided_total']} where the top-2 gap > 0.1), target greedy equal "
+        f"on {d['greedy_equal']}/{d['prompts']} prompts"
+    )
+    print(
+        f"tolerance: max |dlogit| {tol.max_abs_logit:g} = {tol.max_abs_logit / max(d['max_abs'], 1e-9):.1f}x the "
+        f"measured drift; argmax compared where the gap > {tol.tie_margin:g}"
+    )
+    return 0
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--skip-warmup", action="store_true", help="caches are known to be warm: time the first run")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--old-vs-new", action="store_true", help="also time a warm run of the old cases alone")
+    ap.add_argument("--executors", action="store_true", help="compare the uni and mp CPU executors")
+    ap.add_argument("--bf16-drift", action="store_true", help="measure the reference drafter's bf16 vs fp32 drift")
     args, extra = ap.parse_known_args()
+    if args.bf16_drift:
+        return _bf16_drift()
+    if args.executors:
+        cases = extra[extra.index("--cases") + 1 :] if "--cases" in extra else ["mixed", "batched"]
+        return _executors(cases)
     extra = ["--device", args.device, *extra]
     report = REPO / "dist" / f"bench-conformance-{args.device}.json"
     if not args.skip_warmup:
         rc, cold = _run(extra, report)
         print(f"warm-up run: {cold:.1f} s (exit {rc})", flush=True)
+    old = None
+    if args.old_vs_new:
+        _, old = _run([*extra, "--cases", *OLD_CASES], REPO / "dist" / f"bench-conformance-{args.device}-old.json")
     rc, warm = _run(extra, report)
     print(f"\nwarm conformance run: {warm:.1f} s (exit {rc})")
+    if old is not None:
+        print(f"old cases alone ({len(OLD_CASES)}): {old:.1f} s; all {len(C.CASES)} cases: {warm:.1f} s")
     verdict = "meets" if warm <= GOAL_S else "MISSES"
     print(f"goal: <= {GOAL_S:.0f} s on 2 cores; ratio warm/goal = {warm / GOAL_S:.2f} ({verdict} the goal)")
     for line in _breakdown(report):

@@ -9,6 +9,7 @@ a bug.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import subprocess
@@ -75,7 +76,8 @@ def test_case_table_is_consistent() -> None:
         # Every window case must have a context far longer than the window, or the window could not matter.
         if c.has_sliding and not c.refusal:
             assert c.sliding_window is not None and min(c.prompt_lengths) > 3 * c.sliding_window
-            assert {C.NEG_WINDOW_MINUS, C.NEG_WINDOW_PLUS} <= set(c.negatives)
+            # Serving cases reuse shapes whose window negatives other cases run; they keep full attention's.
+            assert ({C.NEG_FULL_ATTN} if c.is_serving else {C.NEG_WINDOW_MINUS, C.NEG_WINDOW_PLUS}) <= set(c.negatives)
         # Where our reading differs from the reference package's literal one, that reading is a negative control.
         if c.attention != c.reference_attention and not c.refusal:
             assert C.NEG_REFERENCE_LITERAL in c.negatives, c.name
@@ -107,6 +109,7 @@ def test_every_config_spelling_family_has_a_case() -> None:
         "has no positive window",
         "layer_types[1] is 'chunked_attention'",
         "target_layer_ids is given only at the top level",
+        "Total number of attention heads (3) must be divisible by tensor parallel size (2)",
     }
 
 
@@ -228,6 +231,73 @@ def test_zero_lm_head_reference_accepts_every_draft(selftests: dict[str, Any]) -
     assert st["max_abs_vs_loop"] == 0.0 and st["loop_is_greedy"]
 
 
+_TRACE_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+from vllm_dflash.conformance import oracle as O
+
+case_dir, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+orc = O.ReferenceOracle(case_dir)
+prompt = orc.case.prompts[0]
+output, _ = orc.greedy(prompt, orc.case.max_tokens)
+seq = prompt + output
+mask = int(orc.drafter.mask_token_id)
+lines = []
+for start in (len(prompt), len(prompt) + 5):
+    hs = orc.hidden_states(seq[:start])
+    logits = orc.draft_logits(hs, start, seq[start], O.variant(O.MAIN))
+    lines.append({
+        "request": 0, "kind": "verified", "token_ids": seq[: start + 1], "context_len": start, "block_start": start,
+        "block_input_ids": [seq[start]] + [mask] * orc.k, "block_positions": list(range(start, start + orc.k + 1)),
+        "logits": logits.tolist(), "draft_ids": logits.argmax(-1).tolist(),
+    })
+summary = {"outputs": [output], "request_prompts": [0], "num_drafts": 2, "num_proposals_recorded": 2}
+
+
+def run(name, edit):
+    recs = json.loads(json.dumps(lines))
+    edit(recs[0])
+    path = out_dir / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*recs, {"summary": summary}]))
+    m = O.evaluate(orc, path, ())
+    return {"consistent": m.trace_consistent, "problems": m.trace_problems, "agree": m.main.argmax_agree,
+            "total": m.main.argmax_total, "max_abs": m.main.max_abs}
+
+
+def flip(rec):
+    rec["draft_ids"][0] = (rec["draft_ids"][0] + 1) % 512
+
+
+result = {
+    "valid": run("valid", lambda r: None),
+    "bonus": run("bonus", lambda r: r["block_input_ids"].__setitem__(0, (r["block_input_ids"][0] + 1) % 256)),
+    "mask": run("mask", lambda r: r["block_input_ids"].__setitem__(1, 0)),
+    "positions": run("positions", lambda r: r["block_positions"].__setitem__(2, 0)),
+    "no_drafts": run("no_drafts", lambda r: r.pop("draft_ids")),
+    "drafts": run("drafts", flip),
+}
+print("RESULT " + json.dumps(result))
+"""
+
+
+@pytest.mark.network
+def test_trace_check_compares_with_what_the_recorder_did_not_build(
+    ref_python: Path, built_cases: dict[str, Path], tmp_path: Path
+) -> None:
+    """The oracle's trace check on a trace made from the oracle itself: valid, it passes with zero difference; a
+    bonus token that is not the output's, a block without mask tokens, broken positions or missing draft ids make it
+    inconsistent; draft ids that are not the logits' argmax (what vLLM proposed differing from what it computed) are
+    counted as argmax disagreements."""
+    run = _in_ref(ref_python, "-c", _TRACE_SCRIPT, built_cases["mixed"], tmp_path)
+    got = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    valid = got["valid"]
+    assert valid["consistent"] and valid["max_abs"] == 0.0 and valid["agree"] == valid["total"] == 6, valid
+    for name, word in (("bonus", "bonus token"), ("mask", "mask tokens"), ("positions", "positions")):
+        assert not got[name]["consistent"] and word in got[name]["problems"][0], (name, got[name])
+    assert not got["no_drafts"]["consistent"] and "no draft ids" in got["no_drafts"]["problems"][0]
+    assert got["drafts"]["consistent"] and got["drafts"]["agree"] == got["drafts"]["total"] - 1, got["drafts"]
+
+
 # ---- verdicts ----------------------------------------------------------------------------------------------------
 
 
@@ -287,6 +357,120 @@ def test_judge_refusals() -> None:
     assert not compare.judge_refusal(spec, "patched", None, "vLLM exited 1").as_expected
 
 
+# ---- serving conditions: the batched recorder's mapping and the checks tied to vLLM's counters ------------------
+
+
+def _block(prompt: list[int], start: int, bonus: int, call: int, index: int = 0, sha: bool = True) -> dict[str, Any]:
+    from vllm_dflash.conformance import vllm_side
+
+    k = 3
+    return {
+        "pid": 1,
+        "call": call,
+        "index": index,
+        "req_id": None,
+        "prompt_sha": vllm_side.prompt_sha(prompt) if sha else None,
+        "block_input_ids": [bonus] + [C.MASK_TOKEN_ID] * k,
+        "block_positions": list(range(start, start + k + 1)),
+        "logits": [],
+        "draft_ids": [0] * k,
+    }
+
+
+def test_assign_blocks_maps_by_prompt_not_by_order_and_refuses_ambiguity() -> None:
+    from vllm_dflash.conformance.vllm_side import AmbiguousMapping, Request, assign_blocks
+
+    a = Request(0, 0, [1, 2, 3], [7, 8, 9, 10])
+    b = Request(1, 1, [4, 5, 6, 11], [12, 13, 14])
+    # One proposal step with the blocks in the reverse of the submission order: mapped by prompt.
+    recs = [_block(b.prompt, 4, 12, call=1, index=0), _block(a.prompt, 3, 7, call=1, index=1)]
+    got = assign_blocks(recs, [a, b], "t")
+    assert [r.index for r, _ in got] == [1, 0]
+    # Without the runner's prompt: by content (the request whose sequence holds the bonus at the start) ...
+    unique = [_block(b.prompt, 4, 12, call=2, sha=False), _block(a.prompt, 3, 7, call=2, index=1, sha=False)]
+    assert [r.index for r, _ in assign_blocks(unique, [a, b], "t")] == [1, 0]
+    # A block drafted mid-prefill carries the prompt's last token (vLLM's backup token) at a start inside the prompt.
+    assert assign_blocks([_block(b.prompt, 2, 11, call=2, sha=False)], [a, b], "t")[0][0].index == 1
+    # ... and refused where two requests fit (both hold token 9 at position 5) or none does.
+    c = Request(2, 2, [20, 21, 22], [23, 24, 9])
+    with pytest.raises(AmbiguousMapping, match="2 requests fit"):
+        assign_blocks([_block(a.prompt, 5, 9, call=3, sha=False)], [a, c], "t")
+    with pytest.raises(AmbiguousMapping, match="0 requests fit"):
+        assign_blocks([_block(a.prompt, 5, 99, call=3, sha=False)], [a, c], "t")
+    # One request twice in one step, a prompt from no request, identical prompts: refused.
+    with pytest.raises(AmbiguousMapping, match="twice in one proposal step"):
+        assign_blocks([_block(a.prompt, 3, 7, call=4), _block(a.prompt, 4, 8, call=4, index=1)], [a, b], "t")
+    with pytest.raises(AmbiguousMapping, match="none of this call's prompts"):
+        assign_blocks([_block([9, 9], 3, 7, call=5)], [a, b], "t")
+    with pytest.raises(AmbiguousMapping, match="share a prompt"):
+        assign_blocks([], [a, Request(1, 0, a.prompt, a.output)], "t")
+
+
+def test_proposal_kinds() -> None:
+    from vllm_dflash.conformance.vllm_side import Request, proposal_kind
+
+    r = Request(0, 0, [1, 2, 3], [4, 5, 6])
+    assert [proposal_kind(r, s) for s in (1, 3, 4, 5, 7)] == ["prefill", "verified", "verified", "cut-off", "cut-off"]
+
+
+def _serving_metrics(**over: Any) -> dict[str, Any]:
+    base = {
+        "num_drafts": 10,
+        "num_accepted_tokens": 12,
+        "num_proposals_recorded": 14,
+        "proposals_by_kind": {"verified": 10, "prefill": 2, "cut-off": 2, "beyond-output": 0},
+        "accepted_from_drafts": [12, 12],
+        "prefix_cache_hits_by_round": [32, 96],
+        "prefill_starts": [[22, 44, 66]],
+        "prompt_lengths": [69],
+    }
+    return {**base, **over}
+
+
+def test_serving_checks_fail_on_bad_counts_and_pass_on_good_ones() -> None:
+    chunked = C.get_cases(["chunked"])[0]
+    prefix = C.get_cases(["prefix-cached"])[0]
+    assert compare.serving_problems(chunked, _serving_metrics()) == []
+    assert compare.serving_problems(prefix, _serving_metrics()) == []
+    off = compare.serving_problems(chunked, _serving_metrics(num_proposals_recorded=15))
+    assert len(off) == 1 and "15 proposals recorded != vLLM's num_drafts 10 + 4" in off[0]
+    drafts = compare.serving_problems(chunked, _serving_metrics(accepted_from_drafts=[9, 11]))
+    assert len(drafts) == 1 and "imply 9..11" in drafts[0]
+    still = compare.serving_problems(prefix, _serving_metrics(prefix_cache_hits_by_round=[32, 32]))
+    assert len(still) == 1 and "hit counter did not move" in still[0]
+    two = compare.serving_problems(chunked, _serving_metrics(prefill_starts=[[40]]))
+    assert len(two) == 1 and "2 chunk(s) < 3" in two[0]
+    far = compare.serving_problems(chunked, _serving_metrics(prefill_starts=[[20, 40, 60]]))
+    assert len(far) == 1 and "outside the first proposal's window" in far[0]
+    # Metrics from before these fields existed are not judged on them.
+    assert compare.serving_problems(C.get_cases(["mixed"])[0], {"num_drafts": 3, "num_accepted_tokens": 1}) == []
+
+
+def test_serving_fields_keep_old_digests_and_enter_new_ones() -> None:
+    mixed = C.get_cases(["mixed"])[0]
+    assert not mixed.is_serving
+    spec = {k: v for k, v in dataclasses.asdict(mixed).items() if k not in C.SERVING_FIELDS}
+    blob = json.dumps({"spec": spec, "generator": C.GENERATOR_VERSION}, sort_keys=True).encode()
+    assert mixed.digest() == hashlib.sha256(blob).hexdigest()[:12]
+    batched = dataclasses.replace(mixed, batched=True)
+    assert batched.is_serving and batched.digest() != mixed.digest()
+    assert (
+        C.spec_from_dict(json.loads(json.dumps(dataclasses.asdict(C.get_cases(["refuse-tp2-heads"])[0]))))
+        == (C.get_cases(["refuse-tp2-heads"])[0])
+    )
+
+
+def test_bf16_case_is_skipped_with_a_reason_without_the_cpu_flag() -> None:
+    bf16 = C.get_cases(["bf16"])[0]
+    assert "no avx512_bf16" in C.skip_reason(bf16, "cpu", {"avx2", "avx512f"})
+    assert C.skip_reason(bf16, "cpu", {"avx512f", "avx512_bf16"}) == ""
+    assert C.cpu_flags("processor : 0\nflags : fpu avx512_bf16 sse\n") == {"fpu", "avx512_bf16", "sse"}
+    assert C.tolerance_for(bf16, "cpu").dtype == "bfloat16"
+    assert C.tolerance_for(C.get_cases(["mixed"])[0], "cpu") == C.TOLERANCES["cpu"]
+    out = compare.judge_skipped(bf16, "patched", "no flag")
+    assert out.status == "skipped" and out.as_expected
+
+
 # ---- the whole thing ---------------------------------------------------------------------------------------------
 
 
@@ -303,6 +487,9 @@ def test_conformance_patched_passes_and_stock_fails(tmp_path: Path) -> None:
     by = {(o["case"], o["build"]): o for o in data["outcomes"]}
     for spec in C.CASES:
         patched = by[(spec.name, "patched")]
+        if C.skip_reason(spec, "cpu"):
+            assert patched["status"] == "skipped" and "no avx512_bf16" in patched["reasons"][0], patched
+            continue
         if spec.refusal:
             assert patched["status"] == "refused" and spec.refusal in patched["reasons"][0], patched
             assert (spec.name, "stock") not in by
@@ -312,6 +499,10 @@ def test_conformance_patched_passes_and_stock_fails(tmp_path: Path) -> None:
         if not spec.zero_lm_head:  # all-zero logits are one big tie: no position has a decided argmax
             assert patched["argmax_total"] > 0
         assert patched["lossless"]
+        # Every proposal vLLM counted was recorded, and none more (the rest: cut off by max_tokens or mid-prefill).
+        assert patched["proposals_recorded"] == patched["num_drafts"] + patched["proposals_unverified"], patched
+        if spec.prefix_caching:
+            assert patched["prefix_cache_hits"] > 0, patched
         for neg in patched["negatives"]:
             assert neg["disagrees"] and neg["max_abs"] > 1e-2, neg
         if spec.expect_stock == "skip":

@@ -96,6 +96,20 @@ class CaseSpec:
     dflash_causal: bool | None = None  # dflash_config.causal
     ids_spelling: IdsSpelling = "default"
     refusal: str = ""  # the patched build must refuse to start with a message containing this
+    # ---- serving conditions (added fields; at their defaults a case runs as before: one sequence at a time, a token
+    # budget above the longest prompt, no prefix caching, one rank, fp32). SERVING_FIELDS lists them. ----
+    batched: bool = False  # all prompts in one generate call (else one call per prompt)
+    max_num_seqs: int = 1
+    max_num_batched_tokens: int | None = None  # None: above the longest prompt (no chunked prefill)
+    min_prefill_chunks: int = 0  # the run must show each prompt prefilled in at least this many chunks
+    prefix_caching: bool = False
+    kv_block_size: int | None = None  # vLLM's KV block size (CPU default 128; prefix hits need small blocks)
+    rounds: int = 1  # submit the prompt set this many times; with prefix caching the last round must hit the cache
+    shared_prefix: int = 0  # the first N tokens of every prompt are the same (the rest differ)
+    tensor_parallel_size: int = 1
+    dtype: str = "float32"  # vLLM's dtype on CPU (the oracle always runs fp32)
+    requires_cpu_flag: str = ""  # skipped, with the reason, on a CPU whose /proc/cpuinfo lacks this flag
+    drafter_heads: tuple[int, int] | None = None  # the drafter's (attention, KV) heads; default those of the target
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -143,10 +157,38 @@ class CaseSpec:
         """The builds this case runs on (refusal cases and "skip" cases do not run stock)."""
         return ("patched",) if self.refusal or self.expect_stock == "skip" else ("patched", "stock")
 
+    @property
+    def is_serving(self) -> bool:
+        """Whether any serving-condition field differs from its default."""
+        return bool(self._serving_changes())
+
+    def _serving_changes(self) -> dict[str, Any]:
+        defaults = CaseSpec.__dataclass_fields__
+        return {f: getattr(self, f) for f in SERVING_FIELDS if getattr(self, f) != defaults[f].default}
+
     def digest(self) -> str:
-        """Hash of everything that determines the saved models (plus the generator version)."""
-        blob = json.dumps({"spec": asdict(self), "generator": GENERATOR_VERSION}, sort_keys=True).encode()
+        """Hash of everything that determines the saved models and the run (plus the generator version). Serving
+        fields enter only when set, so the cases that existed before them keep their digests (and cached models)."""
+        spec = {k: v for k, v in asdict(self).items() if k not in SERVING_FIELDS}
+        spec.update(self._serving_changes())
+        blob = json.dumps({"spec": spec, "generator": GENERATOR_VERSION}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
+
+
+SERVING_FIELDS: tuple[str, ...] = (
+    "batched",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "min_prefill_chunks",
+    "prefix_caching",
+    "kv_block_size",
+    "rounds",
+    "shared_prefix",
+    "tensor_parallel_size",
+    "dtype",
+    "requires_cpu_flag",
+    "drafter_heads",
+)
 
 
 # Bump when tiny.py changes what it writes for the same spec, so cached case directories are rebuilt.
@@ -292,6 +334,90 @@ CASES: tuple[CaseSpec, ...] = (
         negatives=(NEG_TAP_INPUT, NEG_REFERENCE_LITERAL, *_WINDOW_NEGS),
         seed=6,
     ),
+    # ---- serving conditions: how users run vLLM (batches, chunked prefill, prefix caching, tensor parallel, bf16) ----
+    CaseSpec(
+        name="batched",
+        summary="6 prompts of different lengths in one generate call (max_num_seqs 6), mixed drafter",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        negatives=(NEG_FULL_ATTN,),
+        seed=7,
+        prompt_lengths=(26, 31, 37, 45, 53, 61),
+        max_tokens=16,
+        batched=True,
+        max_num_seqs=6,
+        max_num_batched_tokens=256,
+    ),
+    CaseSpec(
+        name="chunked",
+        summary="prompts 8x the window prefilled in >= 3 chunks of 22 tokens; the first proposal's window spans one",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        negatives=(NEG_FULL_ATTN,),
+        seed=8,
+        # a budget of 24 minus the 2 slots DFlash reserves = chunks of 22: the last chunks are 3 and 5 tokens, inside
+        # the window of the first proposal
+        prompt_lengths=(69, 93),
+        max_tokens=16,
+        max_num_batched_tokens=24,
+        min_prefill_chunks=3,
+    ),
+    CaseSpec(
+        name="prefix-cached",
+        summary="prefix caching on (KV block 32), prompts sharing a 70-token prefix, submitted twice: cache hits",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        negatives=(NEG_FULL_ATTN,),
+        seed=9,
+        prompt_lengths=(75, 83),
+        max_tokens=16,
+        prefix_caching=True,
+        kv_block_size=32,
+        rounds=2,
+        shared_prefix=70,
+    ),
+    CaseSpec(
+        name="tp2-mixed",
+        summary="tensor_parallel_size 2 (mp executor, one core per rank), mixed drafter, 2 prompts batched",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        negatives=(NEG_FULL_ATTN,),
+        seed=10,
+        max_tokens=16,
+        batched=True,
+        max_num_seqs=2,
+        tensor_parallel_size=2,
+    ),
+    CaseSpec(
+        name="tp2-real-shape",
+        summary="tensor_parallel_size 2 on the real-shape drafter (4 sliding + 1 full, block 16, 64-layer target)",
+        layer_types=(SLIDING, SLIDING, SLIDING, SLIDING, FULL),
+        target_layer_ids=(1, 16, 31, 46, 61),
+        sliding_window=REAL_WINDOW,
+        window_spelling="dropped",
+        target_layers=64,
+        block_size=16,
+        prompt_lengths=(77,),
+        max_tokens=20,
+        negatives=(NEG_REFERENCE_LITERAL, NEG_FULL_ATTN),
+        seed=6,
+        tensor_parallel_size=2,
+    ),
+    CaseSpec(
+        name="bf16",
+        summary="bfloat16 vLLM (avx512_bf16 CPUs) vs the fp32 oracle: argmax agreement, max |dlogit|, lossless rate",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        negatives=(NEG_FULL_ATTN,),
+        seed=11,
+        dtype="bfloat16",
+        requires_cpu_flag="avx512_bf16",
+    ),
     # ---- configs the patched build must refuse at start-up (one line naming the field) ----
     CaseSpec(
         name="refuse-no-window",
@@ -323,9 +449,28 @@ CASES: tuple[CaseSpec, ...] = (
         prompt_lengths=(9,),
         max_tokens=4,
     ),
+    CaseSpec(
+        name="refuse-tp2-heads",
+        summary="a drafter with 3 attention heads at tensor_parallel_size 2: vLLM refuses with its own line",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        refusal="Total number of attention heads (3) must be divisible by tensor parallel size (2)",
+        prompt_lengths=(9,),
+        max_tokens=4,
+        tensor_parallel_size=2,
+        drafter_heads=(3, 1),
+    ),
 )
 
 CASE_NAMES: tuple[str, ...] = tuple(c.name for c in CASES)
+
+
+def spec_from_dict(data: dict[str, Any]) -> CaseSpec:
+    """A CaseSpec from its asdict() form (JSON turns tuples into lists)."""
+    fields = CaseSpec.__dataclass_fields__
+    kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields}
+    return CaseSpec(**kwargs)
 
 
 def get_cases(names: tuple[str, ...] | list[str] | None = None) -> tuple[CaseSpec, ...]:
@@ -387,7 +532,15 @@ class CaseFile:
     reference_attention: list[list[Any]] = field(default_factory=list)  # the reference package's literal reading
     decoy_target_layer_ids: list[int] = field(default_factory=list)  # top-level ids a wrong reading would use
     refusal: str = ""
-    max_num_batched_tokens: int = 64  # above the longest prompt: no chunked prefill, one proposal per step
+    max_num_batched_tokens: int = 64  # above the longest prompt unless the case forces chunked prefill
+    # Serving conditions (added; see CaseSpec). Read by vllm_side.py with these defaults when absent.
+    batched: bool = False
+    max_num_seqs: int = 1
+    enable_prefix_caching: bool = False
+    kv_block_size: int | None = None
+    rounds: int = 1
+    tensor_parallel_size: int = 1
+    negatives: list[str] | None = None  # the negative-control oracles to run (None: the named case's, from CASES)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -396,3 +549,47 @@ class CaseFile:
     def from_json(cls, text: str) -> CaseFile:
         data = json.loads(text)
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+def tolerance_for(spec: CaseSpec, device: str) -> Tolerance:
+    """The device's tolerance, or the bf16 one for a CPU case run in bfloat16."""
+    if device == "cpu" and spec.dtype == "bfloat16":
+        return CPU_BF16_TOLERANCE
+    return TOLERANCES[device]
+
+
+# bf16 vLLM on CPU vs the fp32 oracle, from measurement: the reference drafter itself run in bf16 instead of fp32 on
+# the bf16 case (oracle.bf16_drift; `benchmarks/bench_conformance.py --bf16-drift`) moves its logits by up to 0.25
+# (argmax equal at 137/144 positions, 112/113 where the fp32 top-2 gap exceeds 0.1; the bf16 target's own greedy output
+# differs from fp32's on 2/2 prompts). So: max |dlogit| <= 0.5 (2x the drift of the computation itself); argmax must
+# agree where the gap exceeds 1.0 (a logit moving <= 0.5 cannot flip a gap above 2 x 0.5); the negative control
+# (full attention, 5.8-6.5 away in fp32) must be > 2.0 off; lossless is compared up to the first fp32 near-tie, and
+# the exact rate is reported. Not run here: this CPU has no avx512_bf16.
+CPU_BF16_TOLERANCE = Tolerance(
+    device="cpu", dtype="bfloat16", max_abs_logit=0.5, tie_margin=1.0, negative_min=2.0, exact_lossless=False
+)
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags (from /proc/cpuinfo; empty where it cannot be read)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as fh:
+                cpuinfo = fh.read()
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags") and ":" in line:
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def skip_reason(spec: CaseSpec, device: str, flags: set[str] | None = None) -> str:
+    """Why this machine cannot run `spec` ("" when it can)."""
+    if device == "cpu" and spec.requires_cpu_flag:
+        have = cpu_flags() if flags is None else flags
+        if spec.requires_cpu_flag not in have:
+            return (
+                f"this CPU has no {spec.requires_cpu_flag} (/proc/cpuinfo flags): vLLM's CPU {spec.dtype} path needs it"
+            )
+    return ""

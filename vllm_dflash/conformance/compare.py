@@ -58,6 +58,11 @@ class ConformanceOptions:
     work_dir: Path | None = None  # traces and metrics; default: cache_dir()/conformance/runs/<device>
     patched_wheel: Path | None = None  # use this wheel as the patched build instead of building one
     stock_wheel: Path | None = None  # use this wheel as the stock build instead of the pinned one
+    # Added: the CPU executor for single-rank cases ("uni" | "mp"; "" = vllm_side.DEFAULT_EXECUTOR). Tensor-parallel
+    # cases always run mp.
+    executor: str = ""
+    # Added: extra cases (e.g. built from a user's config) run after the named ones; they need no entry in C.CASES.
+    extra_cases: tuple[C.CaseSpec, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,13 @@ class Outcome:
     negatives: tuple[NegativeResult, ...] = ()
     stock_model_max_abs: float | None = None  # vs the oracle that models stock 0.20.1 (informational)
     reasons: tuple[str, ...] = ()
+    # Added for serving conditions (all optional):
+    proposals_recorded: int | None = None  # drafter proposals the recorder saw
+    num_drafts: int | None = None  # vLLM's own spec_decode_num_drafts
+    proposals_unverified: int | None = None  # cut off by max_tokens or drafted mid-prefill (vLLM discards both)
+    prefix_cache_hits: int | None = None
+    lossless_requests: str = ""  # "equal/requests" (exact output match count)
+    dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -145,18 +157,24 @@ def ensure_cases(manifest: Manifest, ref_python: Path, specs: Sequence[C.CaseSpe
     with (base / ".build.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent runs: one builds, the other then finds the cases
         missing = [s.name for s in specs if not (dirs[s.name] / "case.json").is_file()]
-        _build_cases(manifest, ref_python, base, missing)
+        _build_cases(manifest, ref_python, base, missing, [s for s in specs if s.name not in C.CASE_NAMES])
     return dirs
 
 
-def _build_cases(manifest: Manifest, ref_python: Path, base: Path, missing: list[str]) -> None:
+def _build_cases(
+    manifest: Manifest, ref_python: Path, base: Path, missing: list[str], extra: Sequence[C.CaseSpec] = ()
+) -> None:
     if missing:
         print(f"building tiny models for case(s): {', '.join(missing)}", flush=True)
+        known = [n for n in missing if n in C.CASE_NAMES]
+        specs = [asdict(s) for s in extra if s.name in missing]
         proc.call(
             ref_python,
             "-m",
             "vllm_dflash.conformance.tiny",
-            json.dumps({"out": str(base), "cases": missing}),
+            json.dumps(
+                {"out": str(base), "cases": known, "specs": specs} if specs else {"out": str(base), "cases": known}
+            ),
             env=_ref_environ(manifest),
             error=ConformanceError,
             hint="the reference environment is broken: delete it under the cache's envs/ and retry",
@@ -236,7 +254,9 @@ def vllm_runner(manifest: Manifest, queues: Queues, wheel: Path, device: str) ->
     return Runner(venv_python(venv), {**os.environ, "PYTHONPATH": str(extra)})
 
 
-def run_vllm_side(runner: Runner, jobs: Sequence[tuple[str, Path, Path]], device: str) -> dict[str, str]:
+def run_vllm_side(
+    runner: Runner, jobs: Sequence[tuple[str, Path, Path]], device: str, executor: str = ""
+) -> dict[str, str]:
     """Run vllm_side.py on (case, case_dir, trace) jobs in one process; after a crash, carry on with the cases after
     the one that crashed. Returns case -> error message for the cases that produced no trace."""
     errors: dict[str, str] = {}
@@ -244,7 +264,9 @@ def run_vllm_side(runner: Runner, jobs: Sequence[tuple[str, Path, Path]], device
     while pending:
         for _, _, trace in pending:
             trace.unlink(missing_ok=True)
-        job = {"device": device, "jobs": [[str(cdir), str(trace)] for _, cdir, trace in pending]}
+        job: dict[str, Any] = {"device": device, "jobs": [[str(cdir), str(trace)] for _, cdir, trace in pending]}
+        if executor:
+            job["executor"] = executor
         result = proc.call(
             runner.python,
             "-m",
@@ -315,6 +337,7 @@ def judge(
         reasons.append(f"argmax differs at {main['argmax_total'] - main['argmax_agree']} position(s)")
     if not metrics["lossless"]:
         reasons.append("generated tokens differ from the target's plain greedy output")
+    reasons += serving_problems(spec, metrics)
     al = metrics["acceptance_length"]
     if spec.zero_lm_head:
         k = metrics["k"]
@@ -358,7 +381,59 @@ def judge(
         negatives=negatives,
         stock_model_max_abs=stock_model,
         reasons=tuple(reasons),
+        proposals_recorded=metrics.get("num_proposals_recorded"),
+        num_drafts=metrics.get("num_drafts"),
+        proposals_unverified=_unverified(metrics),
+        prefix_cache_hits=metrics.get("prefix_cache_hits") if spec.prefix_caching else None,
+        lossless_requests=f"{metrics.get('lossless_requests', 0)}/{metrics.get('requests', 0)}",
+        dtype=str(metrics.get("dtype", "float32")),
     )
+
+
+def _unverified(metrics: Mapping[str, Any]) -> int | None:
+    kinds = metrics.get("proposals_by_kind")
+    if not kinds:
+        return None
+    return int(kinds.get("prefill", 0)) + int(kinds.get("cut-off", 0)) + int(kinds.get("beyond-output", 0))
+
+
+def serving_problems(spec: C.CaseSpec, metrics: Mapping[str, Any]) -> list[str]:
+    """Checks that tie the recorded proposals to vLLM's own counters, and that a serving case exercised its
+    condition (else it proves nothing). Old metrics files without these fields are not judged on them."""
+    out: list[str] = []
+    kinds = metrics.get("proposals_by_kind")
+    if kinds:
+        recorded = int(metrics.get("num_proposals_recorded", 0))
+        unverified = _unverified(metrics) or 0
+        if recorded != metrics["num_drafts"] + unverified:
+            out.append(
+                f"{recorded} proposals recorded != vLLM's num_drafts {metrics['num_drafts']} + {unverified} cut off "
+                "by max_tokens or drafted mid-prefill"
+            )
+    span = metrics.get("accepted_from_drafts")
+    if span and not span[0] <= metrics["num_accepted_tokens"] <= span[1]:
+        out.append(
+            f"vLLM accepted {metrics['num_accepted_tokens']} tokens; the recorded draft ids imply {span[0]}..{span[1]}"
+        )
+    if spec.prefix_caching and spec.rounds > 1:
+        by_round = metrics.get("prefix_cache_hits_by_round") or []
+        if len(by_round) < 2 or by_round[-1] <= by_round[-2]:
+            out.append(f"the prefix-cache hit counter did not move in the last round ({by_round}): nothing was cached")
+    if spec.min_prefill_chunks:
+        starts = metrics.get("prefill_starts") or []
+        lengths = metrics.get("prompt_lengths") or []
+        window = spec.sliding_window or 0
+        for req, (st, n) in enumerate(zip(starts, lengths, strict=False)):
+            if len(st) + 1 < spec.min_prefill_chunks:
+                out.append(f"request {req}: prompt prefilled in {len(st) + 1} chunk(s) < {spec.min_prefill_chunks}")
+            elif window and max(st) <= n - window:
+                out.append(f"request {req}: the last chunk boundary {max(st)} is outside the first proposal's window")
+    return out
+
+
+def judge_skipped(spec: C.CaseSpec, build: str, reason: str) -> Outcome:
+    """A case this machine cannot run (e.g. bf16 without avx512_bf16): reported with the reason, not judged."""
+    return Outcome(spec.name, build, "skipped", "skip", True, reasons=(f"skipped: {reason}",))
 
 
 def judge_refusal(spec: C.CaseSpec, build: str, summary: Mapping[str, Any] | None, error: str = "") -> Outcome:
@@ -387,10 +462,13 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
     if options.device not in DEVICES:
         raise ConformanceError(f"unknown device '{options.device}'", f"use one of {', '.join(DEVICES)}")
     try:
-        specs = C.get_cases(list(options.cases))
+        # Named cases (all when none are named), then the extra ones; only extra ones when extra cases and no names.
+        named = C.get_cases(list(options.cases)) if options.cases or not options.extra_cases else ()
+        specs = (*named, *options.extra_cases)
     except ValueError as exc:
         raise ConformanceError(str(exc), "pass case names from the list (or none for all)") from None
     tol = C.TOLERANCES[options.device]
+    skipped = {s.name: why for s in specs if (why := C.skip_reason(s, options.device))}
     work = options.work_dir or new_run_dir(options.device)
     work.mkdir(parents=True, exist_ok=True)
 
@@ -407,29 +485,51 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
         wheels[build] = wheel
         print(f"== {build}: {wheel.name}", flush=True)
         runner = vllm_runner(manifest, queues, wheel, options.device)
-        jobs = [(s.name, dirs[s.name], work / build / f"{s.name}.jsonl") for s in specs if build in s.builds]
+        jobs = [
+            (s.name, dirs[s.name], work / build / f"{s.name}.jsonl")
+            for s in specs
+            if build in s.builds and s.name not in skipped
+        ]
         (work / build).mkdir(parents=True, exist_ok=True)
-        for name, msg in run_vllm_side(runner, jobs, options.device).items():
-            side_errors[(build, name)] = msg
+        # Tensor-parallel cases in a process of their own: a fresh process starts vLLM's engine and worker processes
+        # without the memory the single-rank cases' in-process engines left behind.
+        by_name = {s.name: s for s in specs}
+        groups = [
+            [j for j in jobs if by_name[j[0]].tensor_parallel_size == 1],
+            [j for j in jobs if by_name[j[0]].tensor_parallel_size > 1],
+        ]
+        for group in (g for g in groups if g):
+            for name, msg in run_vllm_side(runner, group, options.device, options.executor).items():
+                side_errors[(build, name)] = msg
 
-    oracle_jobs = [
-        (dirs[s.name], work / b / f"{s.name}.jsonl", work / b / f"{s.name}.metrics.json")
-        for b in options.builds
-        for s in specs
-        if (b, s.name) not in side_errors and b in s.builds and not s.refusal
-    ]
-    run_oracle(ref_python, manifest, oracle_jobs, tol)
+    # One oracle process per tolerance (bf16 cases compare with looser bounds than fp32 ones).
+    for case_tol in {C.tolerance_for(s, options.device) for s in specs}:
+        oracle_jobs = [
+            (dirs[s.name], work / b / f"{s.name}.jsonl", work / b / f"{s.name}.metrics.json")
+            for b in options.builds
+            for s in specs
+            if (b, s.name) not in side_errors
+            and b in s.builds
+            and not s.refusal
+            and s.name not in skipped
+            and C.tolerance_for(s, options.device) == case_tol
+        ]
+        run_oracle(ref_python, manifest, oracle_jobs, case_tol)
 
     outcomes: list[Outcome] = []
     for s in specs:
         for b in (b for b in options.builds if b in s.builds):
+            if s.name in skipped:
+                outcomes.append(judge_skipped(s, b, skipped[s.name]))
+                continue
             if s.refusal:
                 trace = work / b / f"{s.name}.jsonl"
                 outcomes.append(judge_refusal(s, b, _summary(trace), side_errors.get((b, s.name), "")))
                 continue
             mpath = work / b / f"{s.name}.metrics.json"
             metrics = json.loads(mpath.read_text()) if (b, s.name) not in side_errors and mpath.is_file() else None
-            outcomes.append(judge(s, b, metrics, tol, side_errors.get((b, s.name), "")))
+            case_tol = C.tolerance_for(s, options.device)
+            outcomes.append(judge(s, b, metrics, case_tol, side_errors.get((b, s.name), "")))
     ok = all(o.as_expected for o in outcomes)
     report = options.report or manifest.dist_dir / f"conformance-{options.device}.json"
     result = ConformanceResult(
@@ -441,11 +541,16 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
         wheels={b: w.name for b, w in wheels.items()},
         work_dir=work,
     )
-    write_report(result, tol, {b: sha256_file(w) for b, w in wheels.items()})
+    write_report(result, tol, {b: sha256_file(w) for b, w in wheels.items()}, options.extra_cases)
     return result
 
 
-def write_report(result: ConformanceResult, tol: C.Tolerance, wheel_sha256: Mapping[str, str]) -> None:
+def write_report(
+    result: ConformanceResult,
+    tol: C.Tolerance,
+    wheel_sha256: Mapping[str, str],
+    extra_cases: Sequence[C.CaseSpec] = (),
+) -> None:
     """The JSON report, written atomically (temp file in the same directory, then renamed)."""
     data = {
         "tool": f"vllm-dflash {TOOL_VERSION}",
@@ -456,7 +561,7 @@ def write_report(result: ConformanceResult, tol: C.Tolerance, wheel_sha256: Mapp
         "wheels": {b: {"filename": n, "sha256": wheel_sha256.get(b, "")} for b, n in result.wheels.items()},
         "elapsed_s": round(result.elapsed_s, 1),
         "work_dir": str(result.work_dir) if result.work_dir else None,
-        "cases": {s.name: s.summary for s in C.CASES},
+        "cases": {s.name: s.summary for s in (*C.CASES, *extra_cases)},
         "outcomes": [asdict(o) for o in result.outcomes],
     }
     result.report.parent.mkdir(parents=True, exist_ok=True)
@@ -481,19 +586,41 @@ def render(result: ConformanceResult) -> None:
     from rich.table import Table
 
     # Not a terminal (CI logs, pytest): rich would wrap the table at 80 columns and truncate the headers.
-    console = Console(width=None if sys.stdout.isatty() else 132)
+    console = Console(width=None if sys.stdout.isatty() else 160)
     table = Table(title=f"DFlash conformance vs dflash 0.1.0 reference ({result.device})")
-    for col in ("case", "build", "steps", "max |Δlogit|", "argmax", "lossless", "AL", "result", "expected", "ok"):
+    cols = (
+        "case",
+        "build",
+        "steps",
+        "max |Δlogit|",
+        "argmax",
+        "lossless",
+        "proposals/num_drafts+unverified",
+        "prefix hits",
+        "AL",
+        "result",
+        "expected",
+        "ok",
+    )
+    for col in cols:
         table.add_column(col)
     for o in result.outcomes:
         color = "green" if o.as_expected else "red"
+        lossless = "-" if o.lossless is None else ("yes" if o.lossless else "NO")
+        if o.lossless_requests and o.lossless is not None:
+            lossless += f" {o.lossless_requests}"
+        drafts = "-"
+        if o.proposals_recorded is not None and o.proposals_unverified is not None:
+            drafts = f"{o.proposals_recorded}/{o.num_drafts}+{o.proposals_unverified}"
         table.add_row(
             o.case,
             o.build,
             str(o.steps),
             _fmt(o.max_abs),
             f"{o.argmax_agree}/{o.argmax_total}",
-            "-" if o.lossless is None else ("yes" if o.lossless else "NO"),
+            lossless,
+            drafts,
+            "-" if o.prefix_cache_hits is None else str(o.prefix_cache_hits),
             "-" if o.acceptance_length is None else f"{o.acceptance_length:.3f}",
             o.status.upper(),
             o.expected,

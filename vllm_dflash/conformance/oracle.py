@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -269,6 +270,20 @@ class CaseMetrics:
     num_accepted_tokens: int = 0
     acceptance_length: float | None = None
     k: int = 0
+    # Added for serving conditions (defaults keep old metrics files readable):
+    requests: int = 0
+    lossless_requests: int = 0  # requests whose output equals the target's greedy output exactly
+    accepted_from_drafts: list[int] = field(default_factory=list)  # [lo, hi] accepted tokens implied by the drafts
+    num_proposals_recorded: int = 0
+    proposals_by_kind: dict[str, int] = field(default_factory=dict)  # verified / prefill / cut-off / beyond-output
+    prefix_cache_hits: int = 0
+    prefix_cache_hits_by_round: list[int] = field(default_factory=list)
+    dtype: str = "float32"
+    prefill_starts: list[list[int]] = field(
+        default_factory=list
+    )  # per request: starts of proposals drafted mid-prefill
+    prompt_lengths: list[int] = field(default_factory=list)  # per request
+    elapsed_s: float = 0.0  # the oracle's time on this trace
 
 
 def read_trace(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
@@ -307,22 +322,58 @@ def evaluate(
         m.trace_problems.append("trace has no summary line (the vLLM run did not finish)")
         return m
     outputs: list[list[int]] = summary.get("outputs", [])
+    # Which prompt each request ran (several requests per prompt when a case submits its prompts more than once).
+    request_prompts: list[int] = summary.get("request_prompts") or list(range(len(outputs)))
+    mask = int(oracle.drafter.mask_token_id)
+    accepted_lo = accepted_hi = 0
+    m.prefill_starts = [[] for _ in request_prompts]
+    m.prompt_lengths = [len(case.prompts[i]) for i in request_prompts]
     for i, rec in enumerate(steps):
         req, ctx, start, ids = int(rec["request"]), int(rec["context_len"]), int(rec["block_start"]), rec["token_ids"]
-        full = case.prompts[req] + (outputs[req] if req < len(outputs) else [])
-        if ctx != start or len(ids) != start + 1 or ids != full[: start + 1]:
+        kind = str(rec.get("kind", "verified"))
+        prompt = case.prompts[request_prompts[req]] if req < len(request_prompts) else []
+        full = prompt + (outputs[req] if req < len(outputs) else [])
+        # The block as the recorder saw vLLM's drafter input, against what the recorder did not build: the case's
+        # prompt, vLLM's RequestOutput and the drafter's mask token.
+        block_ids = [int(t) for t in rec.get("block_input_ids") or []]
+        block_pos = [int(t) for t in rec.get("block_positions") or []]
+        want_bonus = (
+            (prompt[-1] if prompt else None) if kind == "prefill" else (full[start] if start < len(full) else None)
+        )
+        problems = []
+        if ctx != start or len(ids) != start + 1 or ids[:start] != full[:start]:
+            problems.append("the context does not describe a prefix of the request's final sequence")
+        if block_pos != list(range(start, start + oracle.k + 1)):
+            problems.append(f"block positions {block_pos[:3]}... are not {start}..{start + oracle.k}")
+        if block_ids[1:] != [mask] * oracle.k:
+            problems.append(f"block tokens after the bonus are not {oracle.k} mask tokens ({mask})")
+        if not block_ids or block_ids[0] != want_bonus or ids[start] != block_ids[0]:
+            problems.append(f"bonus token {block_ids[:1]} is not the request's {kind} token {want_bonus}")
+        if kind == "prefill" and start >= len(prompt):
+            problems.append("a prefill proposal that starts after the prompt")
+        draft = rec.get("draft_ids")
+        if not isinstance(draft, list) or len(draft) != oracle.k:
+            problems.append("no draft ids from the proposer's output")
+        if problems:
             m.trace_consistent = False
-            m.trace_problems.append(
-                f"step {i} (request {req}): context_len {ctx}, block_start {start}, {len(ids)} token ids do not "
-                "describe a prefix of the request's final sequence plus its bonus token"
-            )
+            m.trace_problems.append(f"step {i} (request {req}, start {start}): " + "; ".join(problems))
             continue
         got = torch.tensor(rec["logits"], dtype=torch.float32)
         if got.shape != (oracle.k, oracle.target.config.vocab_size):
             m.trace_consistent = False
             m.trace_problems.append(f"step {i}: logits shape {tuple(got.shape)}, expected ({oracle.k}, vocab)")
             continue
-        got_ids = torch.tensor(rec.get("draft_ids") or got.argmax(-1).tolist())
+        draft = [int(t) for t in draft or []]
+        got_ids = torch.tensor(draft)
+        if kind == "prefill":
+            m.prefill_starts[req].append(start)
+        if kind == "verified":
+            # Greedy verification accepts the drafts' longest prefix equal to the output's continuation; tokens that
+            # max_tokens cut off are not visible, so there the count is a range.
+            seen = full[start + 1 : start + 1 + oracle.k]
+            n = next((j for j, (a, b) in enumerate(zip(draft, seen, strict=False)) if a != b), len(seen))
+            accepted_lo += n
+            accepted_hi += oracle.k if n == len(seen) else n
         hs = oracle.hidden_states(ids[:ctx])
         bonus = ids[start]
         m.main.add(i, got, oracle.draft_logits(hs, ctx, bonus, variant(MAIN)), got_ids, tie_margin, tol)
@@ -330,16 +381,28 @@ def evaluate(
             m.variants[name].add(i, got, oracle.draft_logits(hs, ctx, bonus, variant(name)), got_ids, tie_margin, tol)
         m.steps += 1
         m.positions += oracle.k
-    for req, prompt in enumerate(case.prompts):
-        want, gaps = oracle.greedy(prompt, case.max_tokens)
+    greedy: dict[int, tuple[list[int], list[float]]] = {}
+    for req, pidx in enumerate(request_prompts):
+        if pidx not in greedy:
+            greedy[pidx] = oracle.greedy(case.prompts[pidx], case.max_tokens)
+        want, gaps = greedy[pidx]
         got_out = outputs[req] if req < len(outputs) else []
         n = len(want)
         if not exact_lossless:
             # Under bf16 a near-tie may legitimately flip; compare up to the first one.
             n = next((j for j, g in enumerate(gaps) if g <= tie_margin), len(want))
         m.lossless_compared += n
-        if got_out[:n] != want[:n] or (exact_lossless and len(got_out) != len(want)):
+        same = got_out[:n] == want[:n] and (not exact_lossless or len(got_out) == len(want))
+        m.lossless_requests += int(got_out == want)
+        if not same:
             m.lossless = False
+    m.requests = len(request_prompts)
+    m.accepted_from_drafts = [accepted_lo, accepted_hi]
+    m.num_proposals_recorded = int(summary.get("num_proposals_recorded", m.steps))
+    m.proposals_by_kind = dict(summary.get("proposals_by_kind") or {})
+    m.prefix_cache_hits = int(summary.get("prefix_cache_hits", 0))
+    m.prefix_cache_hits_by_round = [int(x) for x in summary.get("prefix_cache_hits_by_round") or []]
+    m.dtype = str(summary.get("dtype", "float32"))
     m.num_drafts = int(summary.get("num_drafts", 0))
     m.num_draft_tokens = int(summary.get("num_draft_tokens", 0))
     m.num_accepted_tokens = int(summary.get("num_accepted_tokens", 0))
@@ -429,6 +492,51 @@ def selftest(oracle: ReferenceOracle, max_new_tokens: int = 16) -> SelfTest:
     return result
 
 
+def bf16_drift(oracle: ReferenceOracle, dtype: str = "bfloat16") -> dict[str, Any]:
+    """How far the reference's own drafter moves when the same computation runs in `dtype` instead of fp32: at every
+    position of each prompt's fp32 greedy continuation, the drafter logits of both, their max |dlogit|, argmax
+    agreement (all positions, and where the fp32 top-2 gap exceeds 0.1) and the target's own greedy agreement.
+    The measurement behind the bf16 tolerance (cases.CPU_BF16_TOLERANCE); benchmarks/bench_conformance.py prints it."""
+    import copy
+
+    import torch
+
+    low = getattr(torch, dtype)
+    target_lo = copy.deepcopy(oracle.target).to(low)
+    drafter_lo = copy.deepcopy(oracle.drafter).to(low)
+    head_lo = copy.deepcopy(oracle.head).to(low)
+    out: dict[str, Any] = {"case": oracle.case.name, "dtype": dtype, "max_abs": 0.0, "agree": 0, "total": 0}
+    out.update(decided_agree=0, decided_total=0, greedy_equal=0, prompts=len(oracle.case.prompts))
+    for prompt in oracle.case.prompts:
+        want, _ = oracle.greedy(prompt, oracle.case.max_tokens)
+        ids = list(prompt) + want
+        for start in range(len(prompt), len(ids)):
+            hs = oracle.hidden_states(ids[:start])
+            ref = oracle.draft_logits(hs, start, ids[start], variant(MAIN))
+            saved = oracle.target, oracle.drafter, oracle.head
+            oracle.target, oracle.drafter, oracle.head = target_lo, drafter_lo, head_lo
+            try:
+                got = oracle.draft_logits(oracle.hidden_states(ids[:start]), start, ids[start], variant(MAIN)).float()
+            finally:
+                oracle.target, oracle.drafter, oracle.head = saved
+            out["max_abs"] = max(out["max_abs"], float((got - ref).abs().max()))
+            same = got.argmax(-1) == ref.argmax(-1)
+            top = torch.topk(ref, 2, dim=-1).values
+            decided = (top[:, 0] - top[:, 1]) > 0.1
+            out["agree"] += int(same.sum())
+            out["total"] += int(same.numel())
+            out["decided_agree"] += int((same & decided).sum())
+            out["decided_total"] += int(decided.sum())
+        saved = oracle.target
+        oracle.target = target_lo
+        try:
+            low_greedy, _ = oracle.greedy(prompt, oracle.case.max_tokens)
+        finally:
+            oracle.target = saved
+        out["greedy_equal"] += int(low_greedy == want)
+    return out
+
+
 def variants_for(case_name: str) -> tuple[str, ...]:
     spec = C.get_cases([case_name])[0]
     return (*spec.negatives, C.STOCK_MODEL)
@@ -446,7 +554,8 @@ def _oracle_main(argv: list[str] | None = None) -> int:
     job = json.loads((argv if argv is not None else sys.argv[1:])[0])
     jobs: list[list[str]] = job.get("jobs") or []
     selftests: list[list[str]] = job.get("selftests") or []
-    if not jobs and not selftests:
+    drifts: list[list[str]] = job.get("bf16_drift") or []  # [[case dir, out json], ...]
+    if not jobs and not selftests and not drifts:
         raise SystemExit("oracle: give at least one job or selftest")
     tie_margin = float(job.get("tie_margin", 0.0))
     tol = float(job.get("tol", 1e-4))
@@ -470,16 +579,24 @@ def _oracle_main(argv: list[str] | None = None) -> int:
         st = selftest(get(case_dir))
         _write_json(Path(out), asdict(st))
         print(f"oracle selftest {st.case}: {st.steps_compared} steps, max |dlogit| vs loop {st.max_abs_vs_loop:.3g}")
+    for case_dir, out in drifts:
+        drift = bf16_drift(get(case_dir))
+        _write_json(Path(out), drift)
+        print(f"oracle bf16 drift {drift['case']}: max |dlogit| {drift['max_abs']:.3g}", flush=True)
     for case_dir, trace, out in jobs:
+        t0 = time.perf_counter()
         oracle = get(case_dir)
         metrics = evaluate(
             oracle,
             Path(trace),
-            variants_for(oracle.case.name),
+            (*oracle.case.negatives, C.STOCK_MODEL)
+            if oracle.case.negatives is not None
+            else variants_for(oracle.case.name),
             tie_margin=tie_margin,
             tol=tol,
             exact_lossless=not approx_lossless,
         )
+        metrics.elapsed_s = round(time.perf_counter() - t0, 2)
         _write_json(Path(out), asdict(metrics))
         print(f"oracle {metrics.case} ({trace}): {metrics.steps} steps, max |dlogit| {metrics.main.max_abs:.3g}")
     return 0

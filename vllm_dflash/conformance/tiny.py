@@ -146,8 +146,11 @@ def drafter_config(spec: C.CaseSpec) -> Any:
             target_layer_ids=decoy_target_layer_ids(spec),
             mask_token_id=DECOY_MASK_TOKEN_ID,
         )
+    common = _common_config()
+    if spec.drafter_heads is not None:
+        common["num_attention_heads"], common["num_key_value_heads"] = spec.drafter_heads
     return Qwen3Config(
-        **_common_config(),
+        **common,
         num_hidden_layers=len(spec.layer_types),
         layer_types=list(spec.layer_types),
         # transformers drops sliding_window unless use_sliding_window is set; the reference reads it from here.
@@ -221,7 +224,22 @@ def prompts(spec: C.CaseSpec) -> list[list[int]]:
 
     gen = torch.Generator().manual_seed(spec.seed + 1000)
     # Byte tokens only (ids < 256): what a real prompt through the byte-level tokenizer could contain.
-    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in spec.prompt_lengths]
+    if not spec.shared_prefix:
+        return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in spec.prompt_lengths]
+    prefix = torch.randint(0, 256, (spec.shared_prefix,), generator=gen).tolist()
+    out = [
+        prefix + torch.randint(0, 256, (n - spec.shared_prefix,), generator=gen).tolist() for n in spec.prompt_lengths
+    ]
+    if len({tuple(p) for p in out}) != len(out):
+        raise RuntimeError(f"{spec.name}: prompts must differ after the shared prefix (the recorder maps by prompt)")
+    return out
+
+
+def token_budget(spec: C.CaseSpec) -> int:
+    """The case's max_num_batched_tokens: its own, else above the longest prompt (no chunked prefill)."""
+    if spec.max_num_batched_tokens is not None:
+        return spec.max_num_batched_tokens
+    return max(64, max(spec.prompt_lengths) + 2 * spec.block_size)
 
 
 def build_case(spec: C.CaseSpec, out: Path) -> Path:
@@ -244,7 +262,15 @@ def build_case(spec: C.CaseSpec, out: Path) -> Path:
             reference_attention=[list(a) for a in spec.reference_attention],
             decoy_target_layer_ids=decoy_target_layer_ids(spec) if spec.ids_spelling == "dflash_config" else [],
             refusal=spec.refusal,
-            max_num_batched_tokens=max(64, max(spec.prompt_lengths) + 2 * spec.block_size),
+            negatives=list(spec.negatives),
+            max_num_batched_tokens=token_budget(spec),
+            dtype=spec.dtype,
+            batched=spec.batched,
+            max_num_seqs=spec.max_num_seqs,
+            enable_prefix_caching=spec.prefix_caching,
+            kv_block_size=spec.kv_block_size,
+            rounds=spec.rounds,
+            tensor_parallel_size=spec.tensor_parallel_size,
         )
         (tmp / CASE_FILE).write_text(case.to_json())
     return out
@@ -261,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # tiny models; OpenMP threads only contend on a small machine
-    for spec in C.get_cases(job.get("cases") or []):
+    specs = [*C.get_cases(job.get("cases") or []), *(C.spec_from_dict(d) for d in job.get("specs") or [])]
+    if job.get("specs") and not job.get("cases"):
+        specs = specs[len(C.CASES) :]  # only the given specs (get_cases([]) is every case)
+    for spec in specs:
         path = build_case(spec, out / f"{spec.name}-{spec.digest()}")
         print(f"built {spec.name}: {path}", flush=True)
     return 0

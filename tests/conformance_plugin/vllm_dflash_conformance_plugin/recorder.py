@@ -1,61 +1,151 @@
-"""Record the DFlash drafter's logits for every proposal (test infrastructure).
+"""Record every DFlash drafter proposal (test infrastructure).
 
-The proposer runs the drafter over one block per request, [bonus, mask x k] at positions block_start..block_start+k,
-then computes logits for the k mask rows and drafts their argmax. We wrap the drafter model's `forward` (to see the
-block's input ids and positions) and `compute_logits` (to see the logits), pair them, and append one JSON line per
-proposal to the file named by $VLLM_DFLASH_RECORD_FILE at that moment (the model may run in a worker process, so
-the driver reads the file; with an in-process worker, one process runs several cases, each with its own file).
-Nothing is changed: both wrappers return what the wrapped method returns.
+One proposal step drafts for every request in the batch at once: the proposer runs the drafter over the stacked
+blocks [bonus, mask x k] (one per request, request i's block at query rows i*(k+1)..), computes logits for the k mask
+rows of each block and returns the drafted ids as a [batch, k] tensor. We wrap the proposer's `propose` (to see what
+it returned: the draft ids vLLM actually proposes), the model runner's `propose_draft_token_ids` (which requests were
+in the batch, from the runner's input batch and request states), the drafter model's
+`forward` (the blocks' input ids and positions) and `compute_logits` (the logits), split the step per request, and
+append one JSON line per request block to the file named by $VLLM_DFLASH_RECORD_FILE at that moment:
+    {"pid", "call", "index", "batch", "req_id", "prompt_len", "prompt_sha", "block_input_ids", "block_positions",
+     "logits" (k rows), "draft_ids" (k, from propose's return value)}
+`req_id`, `prompt_len` and `prompt_sha` come from the runner's request state (not from the block), so the driver can
+map a block to its request by its prompt and check that against the block's positions and bonus token.
+
+Under tensor parallelism every rank runs the drafter; only tensor-parallel rank 0 records (its logits are gathered).
+Nothing is changed: every wrapper returns what the wrapped method returns.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from typing import Any
 
 RECORD_FILE_VAR = "VLLM_DFLASH_RECORD_FILE"
-_state: dict[str, Any] = {"block": None}
+_state: dict[str, Any] = {"active": False, "block": None, "logits": None, "call": 0, "runner": None}
+
+
+def prompt_sha(ids: list[int]) -> str:
+    """The fingerprint the driver computes the same way (vllm_side.prompt_sha)."""
+    return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # no model-parallel group (in-process worker before init): a single rank
+        return 0
+
+
+def _requests(batch: int) -> list[dict[str, Any]]:
+    """What the model runner that called the proposer says the batch's requests are, in its batch order (None
+    entries when it cannot tell: the driver then maps by content alone)."""
+    runner = _state["runner"]
+    out: list[dict[str, Any]] = []
+    try:
+        req_ids = list(runner.input_batch.req_ids[:batch])  # type: ignore[union-attr]
+    except AttributeError:
+        return [{"req_id": None, "prompt_len": None, "prompt_sha": None}] * batch
+    for rid in req_ids:
+        state = getattr(runner, "requests", {}).get(rid)
+        prompt = list(getattr(state, "prompt_token_ids", None) or [])
+        out.append({"req_id": rid, "prompt_len": len(prompt), "prompt_sha": prompt_sha(prompt) if prompt else None})
+    return out
+
+
+def _write(draft_ids: Any) -> None:
+    path = os.environ.get(RECORD_FILE_VAR)
+    block, logits = _state["block"], _state["logits"]
+    if not path or block is None or logits is None or draft_ids is None or _tp_rank() != 0:
+        return
+    drafts = draft_ids.detach().cpu().tolist()
+    batch = len(drafts)
+    k = len(drafts[0]) if batch else 0
+    ids, pos = block
+    rows = logits.detach().float().cpu()
+    if rows.shape[0] < batch * k or len(ids) < batch * (k + 1):
+        raise RuntimeError(
+            f"dflash recorder: a proposal step of {batch} request(s) x {k} drafts came with {len(ids)} block "
+            f"tokens and {rows.shape[0]} logit rows"
+        )
+    _state["call"] += 1
+    lines = []
+    for i, req in enumerate(_requests(batch)):
+        lo = i * (k + 1)
+        lines.append(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "call": _state["call"],
+                    "index": i,
+                    "batch": batch,
+                    **req,
+                    "block_input_ids": ids[lo : lo + k + 1],
+                    "block_positions": pos[lo : lo + k + 1],
+                    "logits": rows[i * k : (i + 1) * k].tolist(),
+                    "draft_ids": drafts[i],
+                }
+            )
+        )
+    with open(path, "a") as f:
+        f.write("".join(line + "\n" for line in lines))
 
 
 def install() -> None:
     if not os.environ.get(RECORD_FILE_VAR):
         return
-    import torch
     from vllm.model_executor.models import qwen3_dflash
+    from vllm.v1.spec_decode import dflash
+    from vllm.v1.worker import gpu_model_runner
 
     cls = qwen3_dflash.DFlashQwen3ForCausalLM
     if getattr(cls, "_vllm_dflash_recorder", False):
         return
     orig_forward = cls.forward
     orig_logits = cls.compute_logits
+    orig_propose = dflash.DFlashProposer.propose
+    runner_cls = gpu_model_runner.GPUModelRunner  # the CPU runner subclasses it and keeps this method
+    orig_runner_propose = runner_cls.propose_draft_token_ids
+
+    @functools.wraps(orig_runner_propose)
+    def runner_propose(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _state["runner"] = self  # the proposer keeps no reference to its runner: remember who called it
+        try:
+            return orig_runner_propose(self, *args, **kwargs)
+        finally:
+            _state["runner"] = None
 
     @functools.wraps(orig_forward)
-    def forward(self: Any, input_ids: torch.Tensor, positions: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        _state["block"] = (input_ids.detach().cpu().tolist(), positions.detach().cpu().tolist())
+    def forward(self: Any, input_ids: Any, positions: Any, *args: Any, **kwargs: Any) -> Any:
+        if _state["active"]:
+            _state["block"] = (input_ids.detach().cpu().tolist(), positions.detach().cpu().tolist())
         return orig_forward(self, input_ids, positions, *args, **kwargs)
 
     @functools.wraps(orig_logits)
-    def compute_logits(self: Any, hidden_states: torch.Tensor) -> Any:
+    def compute_logits(self: Any, hidden_states: Any) -> Any:
         logits = orig_logits(self, hidden_states)
-        block = _state["block"]
-        _state["block"] = None
-        path = os.environ.get(RECORD_FILE_VAR)
-        if block is not None and logits is not None and path:
-            ids, pos = block
-            k = int(logits.shape[0])
-            rows = logits.detach().float().cpu()
-            line = {
-                "block_input_ids": ids[: k + 1],
-                "block_positions": pos[: k + 1],
-                "logits": rows.tolist(),
-                "draft_ids": rows.argmax(dim=-1).tolist(),
-            }
-            with open(path, "a") as f:
-                f.write(json.dumps(line) + "\n")
+        if _state["active"]:
+            _state["logits"] = logits
         return logits
+
+    @functools.wraps(orig_propose)
+    def propose(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _state.update(active=True, block=None, logits=None)
+        try:
+            out = orig_propose(self, *args, **kwargs)
+        finally:
+            _state["active"] = False
+        _write(out)
+        _state.update(block=None, logits=None)
+        return out
 
     cls.forward = forward  # type: ignore[method-assign]
     cls.compute_logits = compute_logits  # type: ignore[method-assign]
+    dflash.DFlashProposer.propose = propose  # type: ignore[method-assign]
+    runner_cls.propose_draft_token_ids = runner_propose  # type: ignore[method-assign]
     cls._vllm_dflash_recorder = True
