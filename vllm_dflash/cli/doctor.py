@@ -19,8 +19,8 @@ _EPILOG = """\
 Exit status (one per verdict class): 0 served as trained (this build and stock 0.20.1); 20 served as trained by
 this build, stock 0.20.1 mis-serves it; 21 refused by this build (the line it would print at start-up); 22 not a
 drafter vLLM 0.20.1 can run (DFlash2, learnt mask embedding, attention sinks, ...); 18 the checkpoint cannot be
-read. --prove: 1 when the conformance run does not come out as the doctor predicts, 13 when its environments
-cannot be built.
+read, or its taps lie outside the --target's layers. --prove: 1 when the conformance run does not come out as
+the doctor predicts, 13 when its environments cannot be built.
 """
 
 
@@ -82,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     print(D.render_text(d))
     if args.json is not None:
         write_text_atomic(args.json, d.to_json() + "\n")
+    if d.mismatch:
+        raise CheckpointError(f"this drafter does not fit this target: {d.mismatch}", "pair it with its own target")
     if args.prove:
         from vllm_dflash.cli.common import checkout
         from vllm_dflash.doctor.prove import prove, render_prove

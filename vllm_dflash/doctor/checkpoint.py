@@ -177,7 +177,7 @@ def read_target(path: Path) -> Target:
     d = resolve_dir(path)
     config_path = path if path.is_file() else d / CONFIG
     raw = read_json(config_path, "target")
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    text: dict[str, Any] = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
     layers = text.get("num_hidden_layers", raw.get("num_hidden_layers"))
     if not isinstance(layers, int) or layers <= 0:
         raise CheckpointError(f"{config_path} gives no num_hidden_layers", "pass the target model's config.json")

@@ -106,6 +106,11 @@ class Diagnosis:
     def exit_code(self) -> int:
         return VERDICT_EXIT[self.verdict_class]
 
+    @property
+    def mismatch(self) -> str:
+        """A drafter/target mismatch (taps beyond the target's layers): no build can serve this pair."""
+        return next((p for p in self.taps.problems if "outside" in p), "")
+
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "exit_code": self.exit_code}, indent=1)
 
@@ -127,9 +132,7 @@ def _ours(code: OurCode, raw: Mapping[str, Any]) -> list[rules.Layer] | rules.Re
     refusal = code.check_ids(cfg, {**dict(getattr(cfg, "eagle_config", None) or {}), **dflash})
     if refusal:
         return rules.Refusal(refusal, code.source)
-    return [
-        rules.Layer(x.kind, x.window, x.causal, x.kind_from, x.window_from, x.causal_from) for x in resolved
-    ]
+    return [rules.Layer(x.kind, x.window, x.causal, x.kind_from, x.window_from, x.causal_from) for x in resolved]
 
 
 def _features(ck: Checkpoint) -> tuple[list[str], list[str]]:
@@ -178,8 +181,15 @@ def _taps(ck: Checkpoint, code: OurCode, target_layers: int | None, target_from:
         # The runner prefers these (vLLM's own indexing) over dflash_config ids, in every build: no shift.
         aux = [int(i) for i in eagle]
         target = target_layers if target_layers is not None else raw.get("num_target_layers")
-        return Taps([i - 1 for i in aux], "eagle_aux_hidden_state_layer_ids - 1", aux, aux,
-                    rules.reference_ids(raw), target, target_from or "num_target_layers")
+        return Taps(
+            [i - 1 for i in aux],
+            "eagle_aux_hidden_state_layer_ids - 1",
+            aux,
+            aux,
+            rules.reference_ids(raw),
+            target,
+            target_from or "num_target_layers",
+        )
     if "dflash_config.target_layer_ids" in ck.unknown:
         ids: list[int] | None = None
         ids_from = "unknown (no public source)"
@@ -194,6 +204,7 @@ def _taps(ck: Checkpoint, code: OurCode, target_layers: int | None, target_from:
         target_layers, target_from = int(raw["num_target_layers"]), "num_target_layers in the drafter's config.json"
     in_dflash = ids is not None and ids_from != "top level only"
     ours = code.taps(dflash) if in_dflash else None
+    stock: list[int] | None
     if ck.speculators and ids is not None:
         stock = [i + 1 for i in ids]  # speculators: ids already in vLLM's indexing, stock taps them right
     else:
@@ -207,7 +218,9 @@ def _taps(ck: Checkpoint, code: OurCode, target_layers: int | None, target_from:
     if ids is not None and target_layers is not None:
         bad = [i for i in ids if not 0 <= i < target_layers]
         if bad:
-            problems.append(f"target_layer_ids {bad} outside the target's {target_layers} layers (0..{target_layers - 1})")
+            problems.append(
+                f"target_layer_ids {bad} outside the target's {target_layers} layers (0..{target_layers - 1})"
+            )
         elif target_layers - 1 in ids:
             problems.append(
                 f"a tap on the last target layer ({target_layers - 1}): vLLM records it before the final norm, the "
@@ -255,17 +268,15 @@ def diagnose(ck: Checkpoint, code: OurCode, target_layers: int | None = None, ta
     if blocking:
         klass = NOT_RUNNABLE
         verdict = f"{NOT_RUNNABLE}: " + "; ".join(blocking)
-    elif isinstance(ours, rules.Refusal) or taps.problems[:1] and "outside" in taps.problems[0]:
-        klass = REFUSED
-        line = ours.line if isinstance(ours, rules.Refusal) else taps.problems[0]
-        verdict = f"{REFUSED}: {line}"
+    elif isinstance(ours, rules.Refusal):
+        klass, verdict = REFUSED, f"{REFUSED}: {ours.line}"
     else:
         assert not isinstance(stock, rules.Refusal)
         if taps.ours_aux is not None and taps.stock_aux is not None:
-            wrong["taps"] = [i for i, (a, b) in enumerate(zip(taps.ours_aux, taps.stock_aux)) if a != b]
-        wrong["windows"] = [i for i, (a, b) in enumerate(zip(ours, stock)) if a.window != b.window]
+            wrong["taps"] = [i for i, (a, b) in enumerate(zip(taps.ours_aux, taps.stock_aux, strict=True)) if a != b]
+        wrong["windows"] = [i for i, (a, b) in enumerate(zip(ours, stock, strict=True)) if a.window != b.window]
         wrong["causality"] = [
-            i for i, (a, b) in enumerate(zip(ours, stock)) if a.window == b.window and a.causal != b.causal
+            i for i, (a, b) in enumerate(zip(ours, stock, strict=True)) if a.window == b.window and a.causal != b.causal
         ]
         wrong = {k: v for k, v in wrong.items() if v}
         parts = []
@@ -275,7 +286,9 @@ def diagnose(ck: Checkpoint, code: OurCode, target_layers: int | None = None, ta
             w = wrong["windows"]
             parts.append(
                 f"windows (layer{'s' if len(w) > 1 else ''} {_span(w)} run full attention instead of "
-                + ", ".join(sorted({f"{'causal' if ours[i].causal else 'non-causal'} window {ours[i].window}" for i in w}))
+                + ", ".join(
+                    sorted({f"{'causal' if ours[i].causal else 'non-causal'} window {ours[i].window}" for i in w})
+                )
                 + ")"
             )
         if "causality" in wrong:
@@ -309,44 +322,60 @@ def _window(row: LayerRow) -> str:
 
 def render_text(d: Diagnosis) -> str:
     """The doctor's printed report."""
-    out = [f"drafter: {d.checkpoint}", f"  {d.architecture}, {d.num_layers} layers" + (
-        f", block_size {d.block_size} (serve with --speculative-config num_speculative_tokens {d.block_size - 1})"
-        if d.block_size else "")]
+    out = [
+        f"drafter: {d.checkpoint}",
+        f"  {d.architecture}, {d.num_layers} layers"
+        + (
+            f", block_size {d.block_size} (serve with --speculative-config num_speculative_tokens {d.block_size - 1})"
+            if d.block_size
+            else ""
+        ),
+    ]
     out.append(f"  this build's resolution: {d.resolution_source} (the patch's own code)")
     out.append("")
     head = ("layer", "build", "kind (from)", "window (from)", "causal (from)", "backend window")
     table = [head]
     for r in d.rows:
-        table.append((
-            str(r.layer), r.build, f"{r.kind} ({r.kind_from})", _window(r),
-            f"{'causal' if r.causal else 'non-causal'} ({r.causal_from})", str(r.backend_window),
-        ))
+        table.append(
+            (
+                str(r.layer),
+                r.build,
+                f"{r.kind} ({r.kind_from})",
+                _window(r),
+                f"{'causal' if r.causal else 'non-causal'} ({r.causal_from})",
+                str(r.backend_window),
+            )
+        )
     order = {b: i for i, b in enumerate(BUILDS)}
     body = sorted(table[1:], key=lambda t: (int(t[0]), order[t[1]]))
     widths = [max(len(t[i]) for t in [head, *body]) for i in range(len(head))]
     for t in [head, *body]:
-        out.append("  " + "  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip())
-    out.append(f"  sources: stock [{rules.SRC_STOCK_MODEL}; {rules.SRC_STOCK_PROPOSER}]; upstream [{rules.SRC_UPSTREAM}];")
+        out.append("  " + "  ".join(c.ljust(w) for c, w in zip(t, widths, strict=True)).rstrip())
+    out.append(
+        f"  sources: stock [{rules.SRC_STOCK_MODEL}; {rules.SRC_STOCK_PROPOSER}]; upstream [{rules.SRC_UPSTREAM}];"
+    )
     out.append(f"           reference [{rules.SRC_REFERENCE}]; loaded config [{rules.SRC_TRANSFORMERS}]")
     for build, line in d.refusals.items():
         out.append(f"  {build}: does not serve it: {line}")
     if "upstream 0.33" not in d.refusals:
         out.append(f"  upstream 0.33 runner: {d.upstream_runner}")
-    t = d.taps
+    taps = d.taps
     out.append("")
-    out.append(f"taps: target_layer_ids {t.dflash_ids} ({t.ids_from}); DFlash id L = output of target layer L")
-    if t.target_layers is not None:
-        out.append(f"  target: {t.target_layers} layers ({t.target_from})")
-    if t.ours_aux is not None:
-        out.append(f"  this build:      aux {t.ours_aux} = output of layers {[i - 1 for i in t.ours_aux]} (patch 0001)")
+    out.append(f"taps: target_layer_ids {taps.dflash_ids} ({taps.ids_from}); DFlash id L = output of target layer L")
+    if taps.target_layers is not None:
+        out.append(f"  target: {taps.target_layers} layers ({taps.target_from})")
+    if taps.ours_aux is not None:
+        out.append(f"  this build:      aux {taps.ours_aux} = output of layers {[i - 1 for i in taps.ours_aux]} (patch 0001)")
     else:
         out.append("  this build:      no dflash_config.target_layer_ids")
-    if t.stock_aux is not None:
-        out.append(f"  stock 0.20.1:    aux {t.stock_aux} = output of layers {[i - 1 for i in t.stock_aux]}"
-                   f" [{rules.SRC_STOCK_TAPS}]")
+    if taps.stock_aux is not None:
+        out.append(
+            f"  stock 0.20.1:    aux {taps.stock_aux} = output of layers {[i - 1 for i in taps.stock_aux]}"
+            f" [{rules.SRC_STOCK_TAPS}]"
+        )
     out.append("  upstream 0.33:   as this build (the +1 shift is upstream since 0.22.0, #40727)")
-    out.append(f"  reference 0.1.0: output of layers {t.reference_layers} [{rules.SRC_REFERENCE_IDS}]")
-    for p in t.problems:
+    out.append(f"  reference 0.1.0: output of layers {taps.reference_layers} [{rules.SRC_REFERENCE_IDS}]")
+    for p in taps.problems:
         out.append(f"  ! {p}")
     if d.ignored:
         out.append("")

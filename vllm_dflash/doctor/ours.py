@@ -62,7 +62,11 @@ class OurCode:
         """Run the patch's top-level-ids check; the refusal message, or None when it passes."""
         scope: dict[str, Any] = {"self": _Self(config), "drafter_config": dict(drafter_config)}
         try:
-            exec(compile(ast.Module(body=[self.ids_check], type_ignores=[]), self.source, "exec", dont_inherit=True), {}, scope)
+            exec(
+                compile(ast.Module(body=[self.ids_check], type_ignores=[]), self.source, "exec", dont_inherit=True),
+                {},
+                scope,
+            )
         except ValueError as exc:
             return str(exc)
         return None

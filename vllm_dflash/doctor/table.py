@@ -50,8 +50,15 @@ def load_entries(directory: Path | None = None) -> list[Entry]:
             unknown=tuple(data.get("unknown") or ()),
         )
         out.append(
-            Entry(path.stem, ck.name, str(data.get("target", "")), ck, data.get("target_layers"),
-                  dict(ck.sources), ck.unknown)
+            Entry(
+                path.stem,
+                ck.name,
+                str(data.get("target", "")),
+                ck,
+                data.get("target_layers"),
+                dict(ck.sources),
+                ck.unknown,
+            )
         )
     return out
 
@@ -118,8 +125,12 @@ def render_table(code: OurCode, entries: list[Entry] | None = None) -> str:
             cells = ["undetermined"] * 3 + ["undetermined"]
         else:
             note = " (if the unknown fields are absent)" if e.unknown and d.verdict_class != D.NOT_RUNNABLE else ""
-            cells = [_stock_cell(d) + note, _ours_cell(d) + note, _upstream_cell(d),
-                     f"{d.verdict_class} ({d.exit_code})"]
+            cells = [
+                _stock_cell(d) + note,
+                _ours_cell(d) + note,
+                _upstream_cell(d),
+                f"{d.verdict_class} ({d.exit_code})",
+            ]
         srcs = "; ".join(f"{k}: {v}" if k != "*" else v for k, v in e.sources.items())
         rows.append("| " + " | ".join(_esc(c) for c in [e.name, *cells, ", ".join(e.unknown) or "none", srcs]) + " |")
     return "\n".join([TABLE_BEGIN, *rows, TABLE_END])
@@ -130,4 +141,4 @@ def replace_table(readme: str, table: str) -> str:
     start, end = readme.find(TABLE_BEGIN), readme.find(TABLE_END)
     if start < 0 or end < start:
         raise ValueError("the README has no doctor-table markers")
-    return readme[:start] + table + readme[end + len(TABLE_END):]
+    return readme[:start] + table + readme[end + len(TABLE_END) :]
