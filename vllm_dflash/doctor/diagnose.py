@@ -365,7 +365,9 @@ def render_text(d: Diagnosis) -> str:
     if taps.target_layers is not None:
         out.append(f"  target: {taps.target_layers} layers ({taps.target_from})")
     if taps.ours_aux is not None:
-        out.append(f"  this build:      aux {taps.ours_aux} = output of layers {[i - 1 for i in taps.ours_aux]} (patch 0001)")
+        out.append(
+            f"  this build:      aux {taps.ours_aux} = output of layers {[i - 1 for i in taps.ours_aux]} (patch 0001)"
+        )
     else:
         out.append("  this build:      no dflash_config.target_layer_ids")
     if taps.stock_aux is not None:
