@@ -233,9 +233,14 @@ def test_cli_reads_an_hf_cache_snapshot_and_exits_per_verdict(
     target = write_dir(tmp_path / "target", {"text_config": {"num_hidden_layers": 48}})
     assert main(["--root", str(REPO), "doctor", str(repo), "--target", str(target)]) == 18  # id 61 >= 48 layers
     assert "outside the target's 48 layers" in capsys.readouterr().err
-    target.joinpath("config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 64}}))
+    cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {"num_hidden_layers": 64}}
+    target.joinpath("config.json").write_text(json.dumps(cfg))
     assert main(["--root", str(REPO), "doctor", str(repo), "--target", str(target)]) == 20
     assert "target: 64 layers (text_config.num_hidden_layers" in capsys.readouterr().out
+    # a target whose 0.20.1 model records no aux hidden states (Nemotron-H): not runnable, whatever the drafter
+    target.joinpath("config.json").write_text(json.dumps({**cfg, "architectures": ["NemotronHForCausalLM"]}))
+    assert main(["--root", str(REPO), "doctor", str(repo), "--target", str(target)]) == 22
+    assert "records no auxiliary hidden states in vLLM 0.20.1" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("content", [None, "{not json", "[1, 2]"])
@@ -295,3 +300,32 @@ def test_prove_public_shapes(key: str, manifest: Manifest, code: ours.OurCode) -
     by = {o.build: o for o in result.conformance.outcomes}
     assert by["patched"].status == "pass" and by["patched"].as_expected
     assert by["stock"].status == "fail" and result.stock_as_predicted and result.ok
+
+
+def test_aux_target_list_is_the_0201_trees(sdist_tree) -> None:  # type: ignore[no-untyped-def]
+    """rules.AUX_TARGETS_0_20_1 is what the 0.20.1 sources say: registry architectures whose class implements
+    SupportsEagle3 (derived here independently, from the tree)."""
+    import ast as _ast
+
+    from vllm_dflash.doctor import rules
+
+    models = sdist_tree.path / "vllm/model_executor/models"
+    bases: dict[str, set[str]] = {}
+    for f in models.glob("*.py"):
+        for n in _ast.parse(f.read_text()).body:
+            if isinstance(n, _ast.ClassDef):
+                bases.setdefault(n.name, set()).update(_ast.unparse(b).split(".")[-1].split("[")[0] for b in n.bases)
+    eagle = {"SupportsEagle3"}
+    while grown := {n for n, bs in bases.items() if n not in eagle and bs & eagle}:
+        eagle |= grown
+    registry: dict[str, str] = {}
+    for node in _ast.walk(_ast.parse((models / "registry.py").read_text())):
+        if isinstance(node, _ast.Dict):
+            for k, v in zip(node.keys, node.values, strict=True):
+                if isinstance(k, _ast.Constant) and isinstance(v, _ast.Tuple) and len(v.elts) == 2:
+                    if all(isinstance(e, _ast.Constant) for e in v.elts):
+                        registry[str(k.value)] = str(v.elts[1].value)  # type: ignore[attr-defined]
+    supported = {a for a, c in registry.items() if c in eagle}
+    assert set(rules.AUX_TARGETS_0_20_1) <= supported
+    assert "NemotronHForCausalLM" in registry and "NemotronHForCausalLM" not in supported  # the negative case
+    assert {"Qwen3ForCausalLM", "Qwen3_5ForConditionalGeneration", "Gemma4ForConditionalGeneration"} <= supported

@@ -78,7 +78,13 @@ def run(args: argparse.Namespace) -> int:
         raise CheckpointError("no checkpoint given", "pass the drafter's config.json or directory (or --table)")
     ck = read_checkpoint(args.path)
     target = read_target(args.target) if args.target is not None else None
-    d = D.diagnose(ck, code, target.layers if target else None, target.source if target else "")
+    d = D.diagnose(
+        ck,
+        code,
+        target.layers if target else None,
+        target.source if target else "",
+        target.architectures if target else (),
+    )
     print(D.render_text(d))
     if args.json is not None:
         write_text_atomic(args.json, d.to_json() + "\n")

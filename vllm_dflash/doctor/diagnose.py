@@ -174,9 +174,7 @@ def _features(ck: Checkpoint) -> tuple[list[str], list[str]]:
 def _taps(ck: Checkpoint, code: OurCode, target_layers: int | None, target_from: str) -> Taps:
     raw = ck.config
     dflash = raw.get("dflash_config") or {}
-    eagle = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids"
-    )
+    eagle = raw.get("eagle_aux_hidden_state_layer_ids")  # read by the runner at the top level only
     if eagle:
         # The runner prefers these (vLLM's own indexing) over dflash_config ids, in every build: no shift.
         aux = [int(i) for i in eagle]
@@ -233,7 +231,13 @@ def _span(layers: list[int]) -> str:
     return ", ".join(str(i) for i in layers)
 
 
-def diagnose(ck: Checkpoint, code: OurCode, target_layers: int | None = None, target_from: str = "") -> Diagnosis:
+def diagnose(
+    ck: Checkpoint,
+    code: OurCode,
+    target_layers: int | None = None,
+    target_from: str = "",
+    target_architectures: tuple[str, ...] = (),
+) -> Diagnosis:
     raw = ck.config
     arch = "/".join(rules._architectures(raw)) or "(none)"
     n = int(raw.get("num_hidden_layers", 0))
@@ -257,6 +261,11 @@ def diagnose(ck: Checkpoint, code: OurCode, target_layers: int | None = None, ta
     runner = rules.upstream_runner_note(raw, up) if not isinstance(up, rules.Refusal) else "refused"
     taps = _taps(ck, code, target_layers, target_from)
     ignored, blocking = _features(ck)
+    if target_architectures and not set(target_architectures) & set(rules.AUX_TARGETS_0_20_1):
+        blocking.append(
+            f"target {'/'.join(target_architectures)} records no auxiliary hidden states in vLLM 0.20.1 "
+            f"(no SupportsEagle3) [{rules.SRC_AUX_TARGETS}]: a vLLM release whose model implements it (not checked)"
+        )
     if "DFlash2DraftModel" in rules._architectures(raw):
         blocking.insert(0, "DFlash2DraftModel is not registered in vLLM 0.20.1: vLLM >= 0.28 V2 runner (#52816)")
     stock = results["stock 0.20.1"]

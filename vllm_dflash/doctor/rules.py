@@ -34,6 +34,72 @@ UPSTREAM_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")  # vllm 0.33.
 REFERENCE_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")  # dflash 0.1.0 dflash/__init__.py
 
 
+# Target architectures whose vLLM 0.20.1 model records auxiliary hidden states (the class implements SupportsEagle3:
+# set_aux_hidden_state_layers), i.e. the targets a DFlash drafter can tap at all; our patches do not change this list.
+# Derived with `ast` from the 0.20.1 sdist (vllm/model_executor/models/registry.py + the model classes' bases);
+# drafter/embedding/Eagle entries left out.
+SRC_AUX_TARGETS = "vllm 0.20.1 vllm/model_executor/models/registry.py + classes implementing SupportsEagle3"
+AUX_TARGETS_0_20_1 = (
+    "AfmoeForCausalLM",
+    "ApertusForCausalLM",
+    "AquilaForCausalLM",
+    "ArceeForCausalLM",
+    "CwmForCausalLM",
+    "DeepseekForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Ernie4_5ForCausalLM",
+    "Exaone4_5_ForConditionalGeneration",
+    "Fairseq2LlamaForCausalLM",
+    "Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration",
+    "GlmForCausalLM",
+    "GlmMoeDsaForCausalLM",
+    "GptOssForCausalLM",
+    "HunYuanDenseV1ForCausalLM",
+    "HunYuanMoEV1ForCausalLM",
+    "HunYuanVLForConditionalGeneration",
+    "IQuestCoderForCausalLM",
+    "InternLM3ForCausalLM",
+    "InternLMForCausalLM",
+    "InternS1ProForConditionalGeneration",
+    "KimiK25ForConditionalGeneration",
+    "LLaMAForCausalLM",
+    "LightOnOCRForConditionalGeneration",
+    "Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration",
+    "LlamaForCausalLM",
+    "LlavaForConditionalGeneration",
+    "MantisForConditionalGeneration",
+    "MiMoForCausalLM",
+    "MiniCPM3ForCausalLM",
+    "MiniCPMForCausalLM",
+    "MiniMaxM2ForCausalLM",
+    "Ministral3ForCausalLM",
+    "Mistral3ForConditionalGeneration",
+    "MistralForCausalLM",
+    "MistralLarge3ForCausalLM",
+    "OpenCUAForConditionalGeneration",
+    "Phi3ForCausalLM",
+    "PixtralForConditionalGeneration",
+    "Qwen2ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Step1ForCausalLM",
+    "TeleChat2ForCausalLM",
+    "TeleChat3ForCausalLM",
+    "TeleChatForCausalLM",
+    "TeleFLMForCausalLM",
+    "XverseForCausalLM",
+)
+
+
 @dataclass(frozen=True)
 class Layer:
     kind: str
