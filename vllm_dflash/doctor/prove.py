@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vllm_dflash.conformance import cases as C
-from vllm_dflash.conformance.compare import ConformanceOptions, ConformanceResult, render, run_conformance
+from vllm_dflash.conformance.compare import ConformanceOptions, ConformanceResult, new_run_dir, render, run_conformance
 from vllm_dflash.doctor import diagnose as D
 from vllm_dflash.doctor.checkpoint import Checkpoint
 from vllm_dflash.errors import CheckpointError
@@ -90,6 +90,8 @@ def twin_spec(ck: Checkpoint, d: D.Diagnosis) -> tuple[C.CaseSpec, list[str]]:
     small = _scale_window(int(given), block) if given else None
     if small:
         kept.append(f"window {given} -> {small} via {spelling}")
+    if spelling == "swa_window_size" and raw.get("sliding_window") is not None:
+        kept.append("NOT kept: the top-level sliding_window beside swa_window_size (the twin writes only the latter)")
     target = d.taps.target_layers or max(d.taps.dflash_ids) + 4
     if not d.taps.target_layers:
         kept.append(f"target layer count unknown: {target} assumed (pass --target)")
@@ -145,9 +147,11 @@ def prove(manifest: Manifest, queues: Queues, ck: Checkpoint, d: D.Diagnosis) ->
         old = os.environ.get(C.EXTRA_CASES_ENV)
         os.environ[C.EXTRA_CASES_ENV] = str(extra)  # the side processes inherit it
         try:
-            result = run_conformance(
-                manifest, queues, ConformanceOptions(cases=(spec.name,), report=Path(td) / "report.json")
-            )
+            work = new_run_dir(
+                "cpu"
+            )  # the run's traces and report stay in the cache's runs/ (the user's dist/ untouched)
+            options = ConformanceOptions(cases=(spec.name,), work_dir=work, report=work / "prove-report.json")
+            result = run_conformance(manifest, queues, options)
         finally:
             if old is None:
                 os.environ.pop(C.EXTRA_CASES_ENV, None)
