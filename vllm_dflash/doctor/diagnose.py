@@ -384,7 +384,15 @@ def render_text(d: Diagnosis) -> str:
             f"  stock 0.20.1:    aux {taps.stock_aux} = output of layers {[i - 1 for i in taps.stock_aux]}"
             f" [{rules.SRC_STOCK_TAPS}]"
         )
-    out.append("  upstream 0.33:   as this build (the +1 shift is upstream since 0.22.0, #40727)")
+    if taps.stock_aux is None:
+        out.append("  stock 0.20.1:    no dflash_config.target_layer_ids: the target model's default aux layers")
+    if taps.dflash_ids is not None:
+        up = (
+            [i + 1 for i in taps.dflash_ids]
+            if taps.ids_from != "eagle_aux_hidden_state_layer_ids - 1"
+            else taps.ours_aux
+        )
+        out.append(f"  upstream 0.33:   aux {up} (dflash_config first, then top level; +1 since 0.22.0, #40727)")
     out.append(f"  reference 0.1.0: output of layers {taps.reference_layers} [{rules.SRC_REFERENCE_IDS}]")
     for p in taps.problems:
         out.append(f"  ! {p}")
