@@ -119,3 +119,9 @@ class VerifyError(DflashError):
     """A release does not verify: a checksum, the SBOM, the provenance statement, a signature or a report binding."""
 
     return_code = 17
+
+
+class CheckpointError(DflashError):
+    """`doctor`: the drafter (or target) checkpoint cannot be read offline: no config.json, not JSON, not a drafter."""
+
+    return_code = 18

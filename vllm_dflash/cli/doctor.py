@@ -1,0 +1,103 @@
+"""`doctor`: one drafter checkpoint, read offline, against stock 0.20.1, this build, upstream 0.33 and the
+reference; `--table` prints the compatibility table of the shipped public checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from vllm_dflash.cli.common import manifest
+from vllm_dflash.doctor import diagnose as D
+from vllm_dflash.doctor import ours
+from vllm_dflash.doctor.checkpoint import read_checkpoint, read_target
+from vllm_dflash.errors import CheckpointError, ManifestError
+from vllm_dflash.paths import write_text_atomic
+
+_EPILOG = """\
+Exit status (one per verdict class): 0 served as trained (this build and stock 0.20.1); 20 served as trained by
+this build, stock 0.20.1 mis-serves it; 21 refused by this build (the line it would print at start-up); 22 not a
+drafter vLLM 0.20.1 can run (DFlash2, learnt mask embedding, attention sinks, ...); 18 the checkpoint cannot be
+read, or its taps lie outside the --target's layers. --prove: 1 when the conformance run does not come out as
+the doctor predicts, 13 when its environments cannot be built.
+"""
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "doctor",
+        help="read a DFlash drafter checkpoint offline: how stock, this build and upstream serve it, one verdict",
+        description="Reads a drafter's config.json (a file, a model directory or a Hugging Face cache snapshot; "
+        "never downloads) and prints, per drafter layer, kind, window, causality and backend window with the field "
+        "each came from, for stock vLLM 0.20.1, this build (patch 0002's own code), upstream vLLM 0.33 and the "
+        "dflash 0.1.0 reference; then the taps, what this build ignores, and one verdict.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("path", type=Path, nargs="?", help="drafter config.json, model directory or HF cache snapshot")
+    p.add_argument("--target", type=Path, default=None, help="the target model's config.json or directory")
+    p.add_argument("--prove", action="store_true", help="run a shape-preserving tiny twin through conformance")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the diagnosis as JSON")
+    p.add_argument(
+        "--model-file",
+        type=Path,
+        default=None,
+        help="read this build's resolution from a patched qwen3_dflash.py instead of the checkout's patch 0002",
+    )
+    p.add_argument("--table", action="store_true", help="print the compatibility table of the shipped checkpoints")
+    p.set_defaults(func=run)
+
+
+def our_code(args: argparse.Namespace) -> ours.OurCode:
+    """Patch 0002 of the checkout; else a patched qwen3_dflash.py (--model-file, or the installed vLLM)."""
+    if args.model_file is not None:
+        if not args.model_file.is_file():
+            raise CheckpointError(f"--model-file {args.model_file}: no such file", "pass a patched qwen3_dflash.py")
+        return ours.from_model_file(args.model_file)
+    try:
+        return ours.from_patches(manifest(args).patches_dir)
+    except ManifestError:
+        installed = ours.installed_model_file()
+        if installed is None:
+            raise CheckpointError(
+                "no vllm-dflash checkout here and no patched vLLM installed",
+                "run from the checkout (or --root), or pass --model-file PATCHED/qwen3_dflash.py",
+            ) from None
+        return ours.from_model_file(installed)
+
+
+def run(args: argparse.Namespace) -> int:
+    code = our_code(args)
+    if args.table:
+        from vllm_dflash.doctor.table import render_table
+
+        print(render_table(code))
+        return 0
+    if args.path is None:
+        raise CheckpointError("no checkpoint given", "pass the drafter's config.json or directory (or --table)")
+    ck = read_checkpoint(args.path)
+    target = read_target(args.target) if args.target is not None else None
+    d = D.diagnose(
+        ck,
+        code,
+        target.layers if target else None,
+        target.source if target else "",
+        target.architectures if target else (),
+    )
+    print(D.render_text(d))
+    if args.json is not None:
+        write_text_atomic(args.json, d.to_json() + "\n")
+    if d.mismatch:
+        raise CheckpointError(f"this drafter does not fit this target: {d.mismatch}", "pair it with its own target")
+    if args.prove:
+        from vllm_dflash.cli.common import checkout
+        from vllm_dflash.doctor.prove import prove, render_prove
+
+        co = checkout(args)
+        sys.stdout.flush()
+        result = prove(co.manifest, co.queues, ck, d)
+        render_prove(result)
+        if not result.ok:
+            return 1
+    return d.exit_code
