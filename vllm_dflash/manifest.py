@@ -109,6 +109,9 @@ class Profile:
     serve: str = "given"  # "given" (the wheel/image/endpoint the user names) | "cpu-builds" (built by the tool)
     reference_tolerance: float | None = None  # gate: AL >= tolerance x the reference loop's AL (same run)
     compare_stock: bool = False  # also serve the stock build of the pin and report its AL beside ours
+    # cpu-builds: send the prompt set this many times (each repeat queued behind the whole set): a repeated prompt's
+    # prefix is then in vLLM's prefix cache, so a run with prefix caching on has real hits to prove.
+    rounds: int = 1
     definition: Mapping[str, Any] = field(default_factory=dict)  # the table as written, for the digest
 
     @property
@@ -303,6 +306,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "serve": (str,),
     "reference_tolerance": (int, float),
     "compare_stock": (bool,),
+    "rounds": (int,),
 }
 SERVE_MODES = ("given", "cpu-builds")
 
@@ -335,6 +339,11 @@ def parse_profile(name: str, table: Any, origin: str = MANIFEST_NAME) -> Profile
         raise ManifestError(
             f"{origin}: profile '{name}': concurrency, max_tokens and num_speculative_tokens must be >= 1",
             "fix the profile",
+        )
+    if profile.rounds < 1 or (profile.rounds > 1 and profile.serve != "cpu-builds"):
+        raise ManifestError(
+            f"{origin}: profile '{name}': rounds must be >= 1, and above 1 only where serve = \"cpu-builds\"",
+            f"fix [{where}].rounds",
         )
     return profile
 

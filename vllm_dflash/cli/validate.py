@@ -114,7 +114,7 @@ def _run_cpu_builds(args: argparse.Namespace, profile: Profile) -> int:
             run.choice,
             report_path,
             run.prompts,
-            baseline=False,
+            baseline=args.baseline,  # None: the profile's own choice (a no-speculation run of the validated build)
             show=not args.quiet,
             prompt_set="@mini",
             comparisons=run.comparisons,
@@ -123,6 +123,7 @@ def _run_cpu_builds(args: argparse.Namespace, profile: Profile) -> int:
     except MeasurementError:
         print(f"report: {report_path} (verdict: error)", file=sys.stderr)
         raise
+    print(miniature.closing_note(result.report, run.conditions), flush=True)
     acc = result.report["acceptance"]
     print(
         f"verdict: {result.report['verdict']} (AL {acc['mean_acceptance_length']:.3f}); report: {result.report_path}; "

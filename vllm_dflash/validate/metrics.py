@@ -21,6 +21,9 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 GENERATION_TOKENS = "vllm:generation_tokens"
 SPEC_FAMILIES = (DRAFTS, DRAFT_TOKENS, ACCEPTED, ACCEPTED_PER_POS)
+# Prefix caching (prompt tokens looked up / found in the cache): a run that claims the condition must show hits.
+PREFIX_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_HITS = "vllm:prefix_cache_hits"
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class SpecCounters:
     per_position: Mapping[int, float] = field(default_factory=dict)
     generation_tokens: float = 0.0
     present: bool = False
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
 
     def minus(self, before: SpecCounters) -> SpecCounters:
         """The counts added between `before` and this scrape."""
@@ -47,6 +52,8 @@ class SpecCounters:
             per_position={p: self.per_position.get(p, 0.0) - before.per_position.get(p, 0.0) for p in positions},
             generation_tokens=self.generation_tokens - before.generation_tokens,
             present=self.present,
+            prefix_cache_queries=self.prefix_cache_queries - before.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits - before.prefix_cache_hits,
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -56,6 +63,8 @@ class SpecCounters:
             "num_accepted_tokens": self.accepted,
             "num_accepted_tokens_per_pos": {str(p): v for p, v in sorted(self.per_position.items())},
             "generation_tokens": self.generation_tokens,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
         }
 
 
@@ -92,7 +101,7 @@ def parse_spec_counters(text: str) -> SpecCounters:
         # vLLM declares its counters as `<name>_total` (the parser strips that suffix); a family declared without
         # TYPE keeps it. Either way the family is the same counter.
         name = family.name.removesuffix("_total")
-        if name not in (*SPEC_FAMILIES, GENERATION_TOKENS):
+        if name not in (*SPEC_FAMILIES, GENERATION_TOKENS, PREFIX_QUERIES, PREFIX_HITS):
             continue
         present = present or name in SPEC_FAMILIES
         for sample in family.samples:
@@ -111,6 +120,8 @@ def parse_spec_counters(text: str) -> SpecCounters:
         per_position=per_pos,
         generation_tokens=totals.get(GENERATION_TOKENS, 0.0),
         present=present,
+        prefix_cache_queries=totals.get(PREFIX_QUERIES, 0.0),
+        prefix_cache_hits=totals.get(PREFIX_HITS, 0.0),
     )
 
 
