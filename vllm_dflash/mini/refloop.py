@@ -104,15 +104,21 @@ def paired(base: Sequence[float], other: Sequence[float]) -> dict[str, Any]:
 class Mini:
     """The miniature's target and drafter (fp32, CPU), as the reference loads them."""
 
-    def __init__(self, models: Path) -> None:
+    def __init__(self, target: Any, drafter: Any) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.block_size = int(self.drafter.block_size)
+        self._attn = [(la.self_attn.is_causal, la.self_attn.sliding_window) for la in self.drafter.layers]
+
+    @classmethod
+    def load(cls, models: Path) -> Mini:
         import torch
         from dflash.model import DFlashDraftModel
         from transformers import Qwen3ForCausalLM
 
-        self.target = Qwen3ForCausalLM.from_pretrained(models / "target", dtype=torch.float32).eval()
-        self.drafter = DFlashDraftModel.from_pretrained(models / "drafter", dtype=torch.float32).eval()
-        self.block_size = int(self.drafter.block_size)
-        self._attn = [(la.self_attn.is_causal, la.self_attn.sliding_window) for la in self.drafter.layers]
+        target = Qwen3ForCausalLM.from_pretrained(models / "target", dtype=torch.float32).eval()
+        drafter = DFlashDraftModel.from_pretrained(models / "drafter", dtype=torch.float32).eval()
+        return cls(target, drafter)
 
     @contextmanager
     def semantics(self, name: str) -> Iterator[None]:
@@ -205,7 +211,7 @@ def near_ties(job: dict[str, Any]) -> list[dict[str, Any]]:
     models = Path(job["models"])
     tolerance = float(job.get("tolerance", 1e-5))
     torch.set_num_threads(int(job.get("threads", 1)))
-    mini = Mini(models)
+    mini = Mini.load(models)
     prompts = {
         p["id"]: p["prompt"]
         for p in (json.loads(line) for line in (models / "prompts.jsonl").read_text().splitlines() if line.strip())
@@ -247,7 +253,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         prompts = prompts[: int(job["prompts"])]
     literal = bool(job.get("literal", True))
     torch.set_num_threads(int(job.get("threads", 1)))
-    mini = Mini(models)
+    mini = Mini.load(models)
     k = mini.block_size - 1
     encoded = [list(p["prompt"].encode()) for p in prompts]
     t0 = time.perf_counter()
