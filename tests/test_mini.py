@@ -15,8 +15,12 @@ from typing import Any
 import pytest
 
 from vllm_dflash.envs import reference_python
-from vllm_dflash.manifest import Manifest
+from vllm_dflash.errors import ManifestError
+from vllm_dflash.manifest import Manifest, Profile, parse_profile
 from vllm_dflash.mini import corpus, host, refloop, train
+from vllm_dflash.validate import miniature, smoke
+from vllm_dflash.validate.metrics import SpecCounters
+from vllm_dflash.validate.smoke import Prompt, condition_gates, first_difference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,6 +80,60 @@ def test_vllm_pooling_counts_steps_like_vllm() -> None:
     assert stats["num_drafts"] == 3 and stats["num_accepted_tokens"] == 10
     assert stats["acceptance_length"] == pytest.approx(1 + 10 / 3)
     assert stats["num_accepted_tokens_per_pos"] == [2, 2, 2, 1, 1, 1, 1]
+
+
+# ---- serving conditions (no environment) -----------------------------------------------------------------------
+
+
+def _profile(manifest: Manifest, name: str, **changes: Any) -> Profile:
+    table = {**manifest.profiles[name].definition, **changes}
+    return parse_profile(name, table)
+
+
+def test_rounds_repeat_the_prompt_set_and_only_where_the_tool_serves(manifest: Manifest) -> None:
+    prompts = [Prompt("a", "mini", "x" * 50), Prompt("b", "mini", "y" * 100)]
+    assert [p.id for p in miniature.repeated(prompts, 2)] == ["a", "b", "a#2", "b#2"]
+    assert miniature.repeated(prompts, 1) == prompts
+    assert _profile(manifest, "mini-cpu-serving").rounds == 2
+    with pytest.raises(ManifestError, match="rounds must be >= 1"):
+        _profile(manifest, "mini-cpu-serving", rounds=0)
+    with pytest.raises(ManifestError, match='only where serve = "cpu-builds"'):
+        _profile(manifest, "qwen3-8b", rounds=2)
+    assert _profile(manifest, "qwen3-8b", rounds=1).rounds == 1
+
+
+def test_serving_conditions_name_batch_chunks_prefix_cache_and_tp(manifest: Manifest) -> None:
+    # A step schedules at most 128 - (7 - 1) x 8 = 80 tokens: only the 100-token prompt is chunked.
+    prompts = [Prompt("a", "mini", "x" * 50), Prompt("b", "mini", "y" * 100)]
+    line = miniature.serving_conditions(manifest.profiles["mini-cpu-serving"], prompts)
+    assert "8 concurrent requests, max-num-seqs 8" in line
+    assert "chunked prefill: 1/2 prompts (longest 100 tokens) longer than a step's 80 tokens" in line
+    assert "prefix caching, block 32, prompts sent 2x" in line and "tensor parallel" not in line
+    tp2 = miniature.serving_conditions(manifest.profiles["mini-cpu-serving-tp2"], prompts)
+    assert "tensor parallel 2 (mp executor)" in tp2
+    assert miniature.serving_conditions(manifest.profiles["mini-cpu"], prompts) == ""  # one request at a time
+
+
+def test_condition_gates_fail_without_hits_or_with_a_real_mismatch(manifest: Manifest) -> None:
+    serving, plain = manifest.profiles["mini-cpu-serving"], manifest.profiles["mini-cpu"]
+    hit, miss = SpecCounters(prefix_cache_queries=900, prefix_cache_hits=320), SpecCounters(prefix_cache_queries=900)
+    assert [(v.gate, v.passed) for v in condition_gates(serving, hit, None)] == [("prefix_cache_hits", True)]
+    assert [(v.gate, v.passed) for v in condition_gates(serving, miss, None)] == [("prefix_cache_hits", False)]
+    assert condition_gates(plain, miss, None) == []  # prompts sent once: no hits claimed
+    ties = [{"id": "a", "near_tie": True}, {"id": "b#2", "near_tie": True}]
+    assert [v.passed for v in condition_gates(plain, miss, ties)] == [True]
+    (bug,) = condition_gates(plain, miss, [*ties, {"id": "c", "near_tie": False}])
+    assert bug.gate == "mismatches_are_near_ties" and not bug.passed and bug.value == 1
+
+
+def test_mismatches_are_listed_with_their_first_differing_position() -> None:
+    assert first_difference("12. copy", "12. cop!") == 7
+    assert first_difference("12", "123") == 2 and first_difference("same", "same") == 4
+    got = {"a": "abc", "b": "abd", "c": "ab"}
+    want = {"a": "abc", "b": "abc", "c": "abc", "d": "x"}
+    m = smoke._matching(got, want)
+    assert m["matches"] == 1 and m["rate"] == 0.25
+    assert m["mismatches"] == [{"id": "b", "position": 2}, {"id": "c", "position": 2}, {"id": "d", "position": 0}]
 
 
 # ---- with the reference environment (seconds) ---------------------------------------------------------------
