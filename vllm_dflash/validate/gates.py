@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_dflash.manifest import Profile
+from vllm_dflash.validate import metrics
 from vllm_dflash.validate.metrics import Acceptance
 
 
@@ -84,4 +86,22 @@ def judge(
             else f"outputs equal to the target's plain greedy ones: rate >= {profile.min_match_rate:g}"
         )
         out.append(Verdict("min_match_rate", ok, match_rate, profile.min_match_rate, detail))
+    return out
+
+
+def condition_gates(
+    profile: Profile, delta: metrics.SpecCounters, mismatch_analysis: Sequence[Mapping[str, Any]] | None
+) -> list[Verdict]:
+    """Gates on the conditions a run claims: prompts sent more than once (rounds, there to exercise prefix caching)
+    must have hit the prefix cache (else the run proved nothing about cached prefixes); every output that differs
+    from the reference must differ at a near-tie of the target's top logit (else it is a bug, whatever the rate)."""
+    out: list[Verdict] = []
+    if profile.rounds > 1:
+        hits = delta.prefix_cache_hits
+        detail = f"prefix-cache hits {hits:g} of {delta.prefix_cache_queries:g} prompt tokens looked up must be > 0"
+        out.append(Verdict("prefix_cache_hits", hits > 0, hits, 0.0, detail))
+    if mismatch_analysis:
+        bugs = sum(1 for row in mismatch_analysis if not row.get("near_tie"))
+        detail = f"{bugs} of {len(mismatch_analysis)} mismatches are not near-ties of the target's top logit"
+        out.append(Verdict("mismatches_are_near_ties", bugs == 0, float(bugs), 0.0, detail))
     return out

@@ -36,6 +36,9 @@ _MALFORMED_HINT = "this is not what a vLLM server exports; point --endpoint at a
 MAX_METRICS_BYTES = 32 << 20
 # Counters are integers carried as floats; sums of a few engines' counts stay exact far beyond any run's size.
 _EPS = 1e-6
+# Prefix caching (prompt tokens looked up / found in the cache): a run that claims the condition must show hits.
+PREFIX_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_HITS = "vllm:prefix_cache_hits"
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,9 @@ class SpecCounters:
         out.update({f"num_accepted_tokens_per_pos[{p}]": v for p, v in sorted(self.per_position.items())})
         return out
 
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
+
     def minus(self, before: SpecCounters) -> SpecCounters:
         """The counts added between `before` and this scrape; MeasurementError when a counter went down (the
         server restarted in between, or it is not a counter at all)."""
@@ -85,6 +91,8 @@ class SpecCounters:
             per_position={p: self.per_position.get(p, 0.0) - before.per_position.get(p, 0.0) for p in positions},
             generation_tokens=self.generation_tokens - before.generation_tokens,
             present=self.present,
+            prefix_cache_queries=self.prefix_cache_queries - before.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits - before.prefix_cache_hits,
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -94,6 +102,8 @@ class SpecCounters:
             "num_accepted_tokens": self.accepted,
             "num_accepted_tokens_per_pos": {str(p): v for p, v in sorted(self.per_position.items())},
             "generation_tokens": self.generation_tokens,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
         }
 
 
@@ -147,7 +157,7 @@ def parse_spec_counters(text: str) -> SpecCounters:
         # vLLM declares its counters as `<name>_total` (the parser strips that suffix); a family declared without
         # TYPE keeps it. Either way the family is the same counter.
         name = family.name.removesuffix("_total")
-        if name not in (*SPEC_FAMILIES, GENERATION_TOKENS):
+        if name not in (*SPEC_FAMILIES, GENERATION_TOKENS, PREFIX_QUERIES, PREFIX_HITS):
             continue
         present = present or name in SPEC_FAMILIES
         for sample in family.samples:
@@ -177,6 +187,8 @@ def parse_spec_counters(text: str) -> SpecCounters:
         generation_tokens=totals.get(GENERATION_TOKENS, 0.0),
         present=present,
         observed=observed,
+        prefix_cache_queries=totals.get(PREFIX_QUERIES, 0.0),
+        prefix_cache_hits=totals.get(PREFIX_HITS, 0.0),
     )
 
 

@@ -8,15 +8,21 @@ same, without the DFlash queue: the only difference between the two is our queue
 outputs are the target's plain greedy ones, which both builds must reproduce.
 
 Model and prompt names in such a profile are placeholders: `@mini/target`, `@mini/drafter`, prompts `@mini`.
+
+Serving conditions (`mini-cpu-serving*`: a batch of concurrent requests, chunked prefill, prefix caching, tensor
+parallel) are the profile's own serve args; `rounds` sends the prompt set more than once so the prefix cache hits.
+With concurrent requests, /metrics gives only pooled counters, so only the pooled AL is compared there.
 """
 
 from __future__ import annotations
 
 import json
 import platform
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from vllm_dflash import envs
 from vllm_dflash.errors import ManifestError, MeasurementError
@@ -29,6 +35,7 @@ from vllm_dflash.series import Queues
 from vllm_dflash.validate.smoke import Prompt, Reference, ServerChoice
 
 PLACEHOLDERS = {"target": "@mini/target", "drafter": "@mini/drafter", "prompts": "@mini"}
+NEAR_TIE = 1e-5  # a differing greedy token within this of the target's top logit (fp32) may be a batched-kernel flip
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,7 @@ class MiniatureRun:
     reference: Callable[[], Reference]
     wheel: Path
     stock_wheel: Path
+    conditions: str = ""  # serving_conditions(): how the run exercises vLLM beyond one request at a time
 
 
 def _serve_from(env: envs.VllmEnv, wheel: Path, log_dir: Path | None, health_timeout: float | None) -> ServerChoice:
@@ -89,9 +97,13 @@ def prepare(
     config = host.model_config(models)
     _check_profile(profile, config)
     rows = host.read_prompts(models)
-    prompts = [Prompt(id=r["id"], category="mini", text=r["prompt"]) for r in rows]
+    base = [Prompt(id=r["id"], category="mini", text=r["prompt"]) for r in rows]
     if profile.num_prompts:
-        prompts = prompts[: profile.num_prompts]
+        base = base[: profile.num_prompts]
+    prompts = repeated(base, profile.rounds)
+    conditions = serving_conditions(profile, base)
+    if conditions:
+        print(f"serving conditions: {conditions}", flush=True)
 
     work = cache_dir() / "validate"
     stock = cached_build(manifest, queues, "cpu", "stock", work)
@@ -111,15 +123,65 @@ def prepare(
     )
 
     def reference() -> Reference:
-        return _reference(ref_python, models, len(prompts), profile.max_tokens)
+        return _reference(ref_python, models, len(base), profile.max_tokens, profile.rounds)
 
-    return MiniatureRun(resolved, prompts, choice, comparisons, reference, candidate, stock)
+    return MiniatureRun(resolved, prompts, choice, comparisons, reference, candidate, stock, conditions)
 
 
-def _reference(ref_python: Path, models: Path, n: int, max_tokens: int) -> Reference:
-    """The reference loop's result on the first `n` prompts, computed once per (models, n, max_tokens): it is a
-    deterministic function of them, and a second validation (another wheel) reuses it."""
-    out = models / f"refloop-{n}-{max_tokens}.json"
+def repeated(prompts: list[Prompt], rounds: int) -> list[Prompt]:
+    """The prompt set `rounds` times over; a repeat's id is `<id>#<round>` (its reference output is the id's)."""
+    out = list(prompts)
+    for r in range(2, rounds + 1):
+        out += [Prompt(id=f"{p.id}#{r}", category=p.category, text=p.text) for p in prompts]
+    return out
+
+
+def _arg(args: tuple[str, ...], flag: str) -> str | None:
+    """The value of `flag` in serve args (`--flag V` or `--flag=V`), the last one winning as in argparse."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def serving_conditions(profile: Profile, prompts: list[Prompt]) -> str:
+    """One line naming how the profile's serve args exercise vLLM beyond one request at a time: the batch, chunked
+    prefill (prompts longer than a step's token budget; the miniature's tokenizer is one token per byte), prefix
+    caching, tensor parallel. Empty for a profile that serves one request at a time with none of them."""
+    args = profile.serve_args
+    parts: list[str] = []
+    seqs = _arg(args, "--max-num-seqs")
+    if profile.concurrency > 1:
+        parts.append(f"{profile.concurrency} concurrent requests, max-num-seqs {seqs or 'default'}")
+    budget = _arg(args, "--max-num-batched-tokens")
+    if budget is not None and seqs is not None:
+        # DFlash reserves (k - 1) slots per sequence for its drafts; a step schedules at most the rest.
+        step = int(budget) - (profile.num_speculative_tokens - 1) * int(seqs)
+        longer = sum(1 for p in prompts if len(p.text.encode()) > step)
+        if longer:
+            longest = max(len(p.text.encode()) for p in prompts)
+            parts.append(
+                f"chunked prefill: {longer}/{len(prompts)} prompts (longest {longest} tokens) longer than a step's "
+                f"{step} tokens (max-num-batched-tokens {budget} - (k-1) x max-num-seqs)"
+            )
+    if "--no-enable-prefix-caching" not in args and profile.rounds > 1:
+        parts.append(f"prefix caching, block {_arg(args, '--block-size') or 'default'}, prompts sent {profile.rounds}x")
+    tp = _arg(args, "--tensor-parallel-size")
+    if tp is not None and tp != "1":
+        parts.append(f"tensor parallel {tp} ({_arg(args, '--distributed-executor-backend') or 'default'} executor)")
+    return "; ".join(parts)
+
+
+def _reference(ref_python: Path, models: Path, n: int, max_tokens: int, rounds: int = 1) -> Reference:
+    """The reference loop's result on the first `n` prompts, computed once per (models, sources, job): it is a
+    deterministic function of them, and a second validation (another wheel) reuses it. With `rounds`, each
+    repeat of a prompt (`<id>#<round>`) must reproduce the same output, and the counters are the loop's times
+    `rounds` (the loop is deterministic: a repeat drafts what the first did)."""
+    job = {"semantics": ["reference"], "prompts": n, "max_tokens": max_tokens, "literal": False}
+    out = models / f"refloop-{host.refloop_key(models, job)}.json"
     if not out.is_file():
 
         def fill(tmp: Path) -> None:
@@ -135,15 +197,102 @@ def _reference(ref_python: Path, models: Path, n: int, max_tokens: int) -> Refer
         )
     rows = mode["rows"]
     pooled = mode["pooled"]
+    texts = {r["id"]: str(r["text"]) for r in rows}
+    for r in range(2, rounds + 1):
+        texts.update({f"{pid}#{r}": text for pid, text in list(texts.items()) if "#" not in pid})
+    counters = {k: v for k, v in pooled.items() if k != "acceptance_length"}
+    if rounds > 1:
+        counters = {k: [x * rounds for x in v] if isinstance(v, list) else v * rounds for k, v in counters.items()}
+    token_ids = {r["id"]: [int(t) for t in r["token_ids"]] for r in rows}
+
+    def explain(mismatches: Sequence[Mapping[str, Any]], got: Mapping[str, str]) -> list[dict[str, Any]]:
+        return near_ties(ref_python, models, token_ids, mismatches, got)
+
     return Reference(
         acceptance_length=float(pooled["acceptance_length"]),
         per_prompt={r["id"]: float(r["al"]) for r in rows},
-        texts={r["id"]: str(r["text"]) for r in rows},
+        texts=texts,
         detail={
             "loop": "dflash 0.1.0 dflash_generate, greedy, reference semantics (pooled as vLLM pools)",
-            "counters": {k: v for k, v in pooled.items() if k != "acceptance_length"},
+            "counters": counters,
             "lossless_vs_target_greedy": True,
             "prompts": n,
+            "rounds": rounds,
             "max_tokens": max_tokens,
+            "cache_key": out.name,
         },
+        explain=explain,
     )
+
+
+def near_ties(
+    ref_python: Path,
+    models: Path,
+    reference_ids: Mapping[str, list[int]],
+    mismatches: Sequence[Mapping[str, Any]],
+    got: Mapping[str, str],
+) -> list[dict[str, Any]]:
+    """For every output that differs from the reference loop's: the first differing position, the token the build
+    produced there (one token per ASCII byte; None where its text ended or is not ASCII there), and from the
+    target's own logits at that position whether the two tokens are a near-tie (within NEAR_TIE of the top logit).
+    A mismatch that is not a near-tie is a bug in the build, whatever the match rate."""
+    job: list[dict[str, Any]] = []
+    for m in mismatches:
+        pid, pos = str(m["id"]), int(m["position"])
+        text = got.get(pid, "")
+        token = ord(text[pos]) if pos < len(text) and ord(text[pos]) < 128 else None
+        first = pid.partition("#")[0]  # a repeat's reference output is its first round's
+        job.append({"id": first, "position": pos, "reference_ids": reference_ids[first], "got_token": token})
+    with tempfile.TemporaryDirectory(prefix="vllm-dflash-ties-") as tmp:
+        rows = host.run_near_ties(ref_python, models, Path(tmp) / "near-ties.json", job, NEAR_TIE)
+    for m, row in zip(mismatches, rows, strict=True):
+        row["id"] = m["id"]  # the repeat's own id
+    return rows
+
+
+def closing_note(report: Mapping[str, Any], conditions: str = "") -> str:
+    """The run's condition in one table: stock / ours / the reference loop (and the no-speculation run where there
+    was one): AL, drafts, accepted, lossless, prefix-cache hits, output tokens/s; then every mismatch."""
+    n = report["prompts"]["count"]
+    rows: list[tuple[str, ...]] = [("what", "AL", "drafts", "accepted", "lossless", "prefix hits", "tokens/s")]
+
+    def num(v: Any, fmt: str = "{:.0f}") -> str:
+        return "-" if v is None else fmt.format(v)
+
+    def build_row(what: str, entry: Mapping[str, Any], counters: Mapping[str, Any], lossless: Any) -> None:
+        acc = (entry.get("acceptance") or {}).get("mean_acceptance_length")
+        rows.append((
+            what, num(acc, "{:.3f}"), num(counters.get("num_drafts")), num(counters.get("num_accepted_tokens")),
+            f"{lossless['matches']}/{n}" if lossless else "-", num(counters.get("prefix_cache_hits")),
+            num((entry.get("throughput") or {}).get("tokens_per_s"), "{:.1f}"),
+        ))  # fmt: skip
+
+    for name, comp in (report.get("comparisons") or {}).items():
+        build_row(name, comp, comp.get("counters") or {}, comp.get("lossless_vs_reference"))
+    build_row("ours (validated)", report, (report.get("counters") or {}).get("delta") or {},
+              report.get("lossless_vs_reference"))  # fmt: skip
+    ref = report.get("reference") or {}
+    if ref:
+        rc = ref.get("counters") or {}
+        rows.append(("reference loop", num(ref.get("acceptance_length"), "{:.3f}"), num(rc.get("num_drafts")),
+                     num(rc.get("num_accepted_tokens")), "= target greedy", "-", "-"))  # fmt: skip
+    base = report.get("baseline") or {}
+    if base:
+        matches = base.get("lossless_matches")
+        rows.append(("no speculation", "-", "-", "-", f"{matches}/{n} equal to ours", "-",
+                     num(base.get("tokens_per_s"), "{:.1f}")))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"condition: {report['profile']['name']}" + (f" ({conditions})" if conditions else "")]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    if base.get("speedup") is not None:
+        lines.append(f"  ours vs no speculation, same settings: {base['speedup']:.2f}x output tokens/s (not a gate)")
+    for m in (report.get("lossless_vs_reference") or {}).get("mismatches") or []:
+        lines.append(f"  mismatch {m['id']}: first differs at output token {m['position']}")
+    for row in report.get("mismatch_analysis") or []:
+        gap = "-" if row.get("gap") is None else f"{row['gap']:.2e}"
+        kind = "near-tie" if row.get("near_tie") else "NOT a near-tie: a bug"
+        lines.append(
+            f"  {row['id']} at {row['position']}: got token {row.get('got_token')}, the target's top "
+            f"{row.get('target_top_token')}, logit gap {gap} ({kind}, tolerance {NEAR_TIE:g})"
+        )
+    return "\n".join(lines)

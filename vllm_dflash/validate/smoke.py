@@ -27,7 +27,7 @@ from vllm_dflash import report as reports
 from vllm_dflash.errors import MeasurementError
 from vllm_dflash.manifest import Profile
 from vllm_dflash.validate import metrics
-from vllm_dflash.validate.gates import Verdict, judge
+from vllm_dflash.validate.gates import Verdict, condition_gates, judge
 from vllm_dflash.validate.promptsets import Prompt, load_prompts, own_prompt_set, profile_prompts, prompts_digest
 from vllm_dflash.validate.render import render
 from vllm_dflash.validate.server import (
@@ -228,6 +228,9 @@ class Reference:
     per_prompt: Mapping[str, float]  # prompt id -> that prompt's AL
     texts: Mapping[str, str]  # prompt id -> generated text (special tokens skipped, as vLLM's API returns it)
     detail: Mapping[str, Any] = field(default_factory=dict)  # what the loop reports beyond that (kept in the report)
+    # Given the validated build's mismatches ({"id", "position"}: first differing character) and its texts, one row
+    # per mismatch saying whether the differing token was a near-tie of the target's top logit ("near_tie": bool).
+    explain: Callable[[Sequence[Mapping[str, Any]], Mapping[str, str]], list[dict[str, Any]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -281,15 +284,31 @@ def measure(
     return Measurement(server=described, before=before, after=after, run=run, timings=timings)
 
 
+def first_difference(got: str, want: str) -> int:
+    """Index of the first character where two texts differ (the shorter one's length when one is a prefix)."""
+    return next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+
+
 def _matching(got: Mapping[str, str], want: Mapping[str, str]) -> dict[str, Any]:
-    """How many of `want`'s outputs (by prompt id) `got` reproduced exactly, and the rate."""
-    matches = sum(1 for pid, text in want.items() if got.get(pid) == text)
-    return {"matches": matches, "rate": matches / len(want) if want else 0.0}
+    """How many of `want`'s outputs (by prompt id) `got` reproduced exactly, the rate, and every mismatch with its
+    first differing character."""
+    mismatches = [
+        {"id": pid, "position": first_difference(got.get(pid, ""), text)}
+        for pid, text in want.items()
+        if got.get(pid) != text
+    ]
+    matches = len(want) - len(mismatches)
+    return {"matches": matches, "rate": matches / len(want) if want else 0.0, "mismatches": mismatches}
 
 
 def _comparison(m: Measurement, reference: Reference | None, k: int) -> dict[str, Any]:
     acc = metrics.acceptance(m.delta, k)
     out: dict[str, Any] = {"server": dict(m.server), "counters": m.delta.as_dict(), "acceptance": acc.as_dict()}
+    out["throughput"] = {
+        "output_tokens": m.run.output_tokens,
+        "wall_s": m.run.wall_s,
+        "tokens_per_s": m.run.tokens_per_s,
+    }
     if reference is not None:
         out["lossless_vs_reference"] = _matching(m.texts(), reference.texts)
     return out
@@ -389,12 +408,15 @@ def validate(
             body["reference"] = {"acceptance_length": ref.acceptance_length, **ref.detail}
             lossless = body["lossless_vs_reference"] = _matching(m.texts(), ref.texts)
             match_rate = lossless["rate"] if match_rate is None else min(match_rate, lossless["rate"])
+            if ref.explain is not None and lossless["mismatches"]:
+                body["mismatch_analysis"] = ref.explain(lossless["mismatches"], m.texts())
         if others:
             body["comparisons"] = {
                 name: _comparison(o, ref, profile.num_speculative_tokens) for name, o in others.items()
             }
         body["per_prompt"] = _per_prompt(m, others, ref)
         verdicts = judge(profile, acc, match_rate, ref.acceptance_length if ref is not None else None)
+        verdicts += condition_gates(profile, delta, body.get("mismatch_analysis"))
         body["gates"] = [v.as_dict() for v in verdicts]
         body["verdict"] = "pass" if all(v.passed for v in verdicts) else "fail"
         code = EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
@@ -459,6 +481,7 @@ def _baseline(
             "speedup": speedup,
             "lossless_matches": lossless["matches"],
             "lossless_match_rate": lossless["rate"],
+            "lossless_mismatches": lossless["mismatches"],
         },
         lossless["rate"],
     )
