@@ -426,6 +426,22 @@ def test_renamed_wheel_is_refused(validated: Callable[..., Path], root: Path, tm
     assert sorted(p.name for p in (index / "simple").iterdir()) == ["gatedemo", "index.html", "index.json"]
 
 
+def test_a_version_equal_to_a_published_one_is_refused(
+    validated: Callable[..., Path], root: Path, tmp_path: Path
+) -> None:
+    """`+dflash.01` is `+dflash.1` to PEP 440: other bytes under an equal version are refused, the index unchanged."""
+    index = tmp_path / "index"
+    first = make_wheel(tmp_path / "w1", version="1.0.0+dflash.1")
+    publish(root, index, first, validated(first))
+    alias = make_wheel(tmp_path / "w2", version="1.0.0+dflash.01", body="VALUE = 2\n")
+    words = "PEP 440 normalises them equal"
+    publish_refused(root, index, alias, "--report", validated(alias), "--accept-declared-binding", words=words)
+    # Negative control: the next label is another version and publishes beside the first.
+    second = make_wheel(tmp_path / "w3", version="1.0.0+dflash.2", body="VALUE = 2\n")
+    publish(root, index, second, validated(second))
+    assert {f.name for f in (index / "simple" / "gatedemo").glob("*.whl")} == {first.name, second.name}
+
+
 @pytest.mark.parametrize("linked", ["simple", "simple/gatedemo"])
 def test_symlinked_index_directory_is_refused(
     validated: Callable[..., Path], root: Path, tmp_path: Path, linked: str

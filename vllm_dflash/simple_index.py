@@ -181,7 +181,32 @@ class LocalIndex:
                         "published files are immutable; bump the version",
                     )
                 present = present or what == "wheel"
+        if not present:
+            self._refuse_same_version(pdir, source.name, sha256)
         return PlannedWheel(source, sha256, meta, dict(record), present)
+
+    @staticmethod
+    def _refuse_same_version(pdir: Path, filename: str, sha256: str) -> None:
+        """PEP 440 calls `+dflash.01` and `+dflash.1` one version: a file with another name but an equal version and
+        the same tags is the same release to a resolver, so other bytes under it are refused like a changed file."""
+        from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+        _, version, build, tags = parse_wheel_filename(filename)
+        if not pdir.is_dir():
+            return
+        for other in sorted(pdir.glob("*.whl")):
+            if other.name == filename or other.is_symlink() or not other.is_file():
+                continue
+            try:
+                _, o_version, o_build, o_tags = parse_wheel_filename(other.name)
+            except InvalidWheelFilename:
+                continue
+            if (o_version, o_build) == (version, build) and o_tags & tags and sha256_file(other) != sha256:
+                raise PublishRefusedError(
+                    f"{filename} is version {version}, which {other.name} in {pdir} already is (PEP 440 normalises "
+                    "them equal), with other content",
+                    "published versions are immutable; bump the dflash.N label in VERSION and build again",
+                )
 
     def write(self, *planned: PlannedWheel) -> list[Path]:
         """Publish planned wheels (stage, then commit)."""
