@@ -106,6 +106,21 @@ def ensure_mini_models(ref_python: Path, config: Mapping[str, Any] | None = None
     return out
 
 
+def _refloop(ref_python: Path, job: Mapping[str, Any]) -> dict[str, Any]:
+    """One refloop.py job in the reference env; its result is the JSON it wrote to job["out"]."""
+    proc.call(
+        ref_python,
+        "-m",
+        "vllm_dflash.mini.refloop",
+        json.dumps(job),
+        env=_environ(),
+        error=ConformanceError,
+        hint=_BROKEN_ENV_HINT,
+    )
+    result: dict[str, Any] = json.loads(Path(str(job["out"])).read_text())
+    return result
+
+
 def run_refloop(
     ref_python: Path,
     models: Path,
@@ -129,17 +144,7 @@ def run_refloop(
         job["prompts"] = prompts
     if max_tokens is not None:
         job["max_tokens"] = max_tokens
-    proc.call(
-        ref_python,
-        "-m",
-        "vllm_dflash.mini.refloop",
-        json.dumps(job),
-        env=_environ(),
-        error=ConformanceError,
-        hint=_BROKEN_ENV_HINT,
-    )
-    result: dict[str, Any] = json.loads(Path(out).read_text())
-    return result
+    return _refloop(ref_python, job)
 
 
 def run_near_ties(
@@ -147,16 +152,7 @@ def run_near_ties(
 ) -> list[dict[str, Any]]:
     """refloop.near_ties in the reference env: for each mismatch, the target's logit gap at its first difference."""
     job = {"models": str(models), "out": str(out), "mismatches": list(mismatches), "tolerance": tolerance}
-    proc.call(
-        ref_python,
-        "-m",
-        "vllm_dflash.mini.refloop",
-        json.dumps(job),
-        env=_environ(),
-        error=ConformanceError,
-        hint=_BROKEN_ENV_HINT,
-    )
-    rows: list[dict[str, Any]] = json.loads(Path(out).read_text())["near_ties"]
+    rows: list[dict[str, Any]] = _refloop(ref_python, job)["near_ties"]
     return rows
 
 

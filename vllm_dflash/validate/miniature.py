@@ -27,7 +27,7 @@ from typing import Any
 from vllm_dflash import envs
 from vllm_dflash.errors import ManifestError, MeasurementError
 from vllm_dflash.fetch import cache_dir, fetch, sha256_file
-from vllm_dflash.manifest import Manifest, Profile
+from vllm_dflash.manifest import Manifest, Profile, serve_flag
 from vllm_dflash.mini import host
 from vllm_dflash.paths import fill_atomic
 from vllm_dflash.pipeline.build import cached_build
@@ -136,27 +136,16 @@ def repeated(prompts: list[Prompt], rounds: int) -> list[Prompt]:
     return out
 
 
-def _arg(args: tuple[str, ...], flag: str) -> str | None:
-    """The value of `flag` in serve args (`--flag V` or `--flag=V`), the last one winning as in argparse."""
-    value = None
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
-    return value
-
-
 def serving_conditions(profile: Profile, prompts: list[Prompt]) -> str:
     """One line naming how the profile's serve args exercise vLLM beyond one request at a time: the batch, chunked
     prefill (prompts longer than a step's token budget; the miniature's tokenizer is one token per byte), prefix
     caching, tensor parallel. Empty for a profile that serves one request at a time with none of them."""
     args = profile.serve_args
     parts: list[str] = []
-    seqs = _arg(args, "--max-num-seqs")
+    seqs = serve_flag(args, "--max-num-seqs")
     if profile.concurrency > 1:
         parts.append(f"{profile.concurrency} concurrent requests, max-num-seqs {seqs or 'default'}")
-    budget = _arg(args, "--max-num-batched-tokens")
+    budget = serve_flag(args, "--max-num-batched-tokens")
     if budget is not None and seqs is not None:
         # DFlash reserves (k - 1) slots per sequence for its drafts; a step schedules at most the rest.
         step = int(budget) - (profile.num_speculative_tokens - 1) * int(seqs)
@@ -168,10 +157,14 @@ def serving_conditions(profile: Profile, prompts: list[Prompt]) -> str:
                 f"{step} tokens (max-num-batched-tokens {budget} - (k-1) x max-num-seqs)"
             )
     if "--no-enable-prefix-caching" not in args and profile.rounds > 1:
-        parts.append(f"prefix caching, block {_arg(args, '--block-size') or 'default'}, prompts sent {profile.rounds}x")
-    tp = _arg(args, "--tensor-parallel-size")
+        parts.append(
+            f"prefix caching, block {serve_flag(args, '--block-size') or 'default'}, prompts sent {profile.rounds}x"
+        )
+    tp = serve_flag(args, "--tensor-parallel-size")
     if tp is not None and tp != "1":
-        parts.append(f"tensor parallel {tp} ({_arg(args, '--distributed-executor-backend') or 'default'} executor)")
+        parts.append(
+            f"tensor parallel {tp} ({serve_flag(args, '--distributed-executor-backend') or 'default'} executor)"
+        )
     return "; ".join(parts)
 
 
