@@ -179,6 +179,13 @@ def test_emulation_check_needs_an_enabled_handler_with_flag_f(tmp_path: Path) ->
     ):
         why = img.can_build_for(FOREIGN, _binfmt(tmp_path, text))
         assert why is not None and re.search(phrase, why), why
+    # binfmt_misc switched off as a whole (`echo 0 > status`): a perfect handler does not run; switched on, it does.
+    base = _binfmt(tmp_path, ok)
+    (base / "status").write_text("disabled\n")
+    why = img.can_build_for(FOREIGN, base)
+    assert why is not None and "binfmt_misc is disabled" in why, why
+    (base / "status").write_text("enabled\n")
+    assert img.can_build_for(FOREIGN, base) is None
 
 
 def test_foreign_platform_refused_with_the_handler_hidden(tmp_path: Path, manifest: Manifest) -> None:

@@ -197,7 +197,14 @@ def can_build_for(machine: str, binfmt: Path | None = None) -> str | None:
     host = host_platform.machine()
     if _MACHINE_TAGS.get(host, (host,))[0] == machine:
         return None
-    entry = (binfmt or binfmt_dir()) / _QEMU[machine]
+    base = binfmt or binfmt_dir()
+    entry = base / _QEMU[machine]
+    try:
+        # `echo 0 > status` switches every handler off at once, whatever each handler's own file says.
+        if (base / "status").read_text().strip() == "disabled":
+            return f"this {host} host cannot run {machine} programs: binfmt_misc is disabled ({base}/status)"
+    except OSError:
+        pass
     try:
         lines = entry.read_text().splitlines() if entry.is_file() else []
     except OSError:
