@@ -163,6 +163,21 @@ def test_as_root_mounts_binfmt_misc_and_installs_qemu(tools_path: dict[str, str]
     assert again.returncode == 0 and not log.exists()
 
 
+def test_as_root_switches_binfmt_misc_back_on(tools_path: dict[str, str], tmp_path: Path) -> None:
+    """A handler that is fine on its own does not run while binfmt_misc's own status is `disabled`: the script
+    switches it back on (as root) and goes on; left off, the run would stop (the refusal test below)."""
+    log = _as_root(tools_path, tmp_path, registers=True)
+    first = _script(tools_path, "full", "--", "--collect-only", "-q")  # mounts, installs, registers
+    assert first.returncode == 0, first.stderr
+    status = Path(tools_path["VLLM_DFLASH_BINFMT_DIR"]) / "status"
+    status.write_text("disabled\n")
+    log.unlink()
+    r = _script(tools_path, "full", "--", "--collect-only", "-q")
+    assert r.returncode == 0, r.stderr
+    assert status.read_text().strip() == "1"  # what `echo 1 > status` writes (the kernel then reports enabled)
+    assert f"+ echo 1 > {status}" in r.stdout
+
+
 def test_as_root_refuses_when_no_handler_appears(tools_path: dict[str, str], tmp_path: Path) -> None:
     (Path(tools_path["VLLM_DFLASH_BINFMT_DIR"]) / "register").touch()  # mounted already: no mount
     log = _as_root(tools_path, tmp_path, registers=False)
