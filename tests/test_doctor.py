@@ -243,6 +243,18 @@ def test_cli_reads_an_hf_cache_snapshot_and_exits_per_verdict(
     assert "records no auxiliary hidden states in vLLM 0.20.1" in capsys.readouterr().out
 
 
+def test_cli_reads_a_shipped_table_entry_as_its_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An entry of doctor/checkpoints/ given as the path is diagnosed as the config it reconstructs (not as a config
+    without an architecture); the control is the same config written out as a config.json."""
+    shipped = table.checkpoints_dir() / "z-lab--Qwen3.6-27B-DFlash.json"
+    assert main(["--root", str(REPO), "doctor", str(shipped)]) == 20
+    from_entry = capsys.readouterr().out.split("verdict: ", 1)[1]
+    plain = tmp_path / "config.json"
+    plain.write_text(json.dumps(json.loads(shipped.read_text())["config"]))
+    assert main(["--root", str(REPO), "doctor", str(plain)]) == 20
+    assert capsys.readouterr().out.split("verdict: ", 1)[1] == from_entry
+
+
 @pytest.mark.parametrize("content", [None, "{not json", "[1, 2]"])
 def test_cli_unreadable_checkpoint_is_one_line(
     tmp_path: Path, content: str | None, capsys: pytest.CaptureFixture[str]

@@ -82,9 +82,16 @@ def resolve_dir(path: Path) -> Path:
     raise CheckpointError(f"{path} has no {CONFIG}", "pass the checkpoint directory (the one holding config.json)")
 
 
+CONFIG_LIMIT = 16 << 20  # a config.json or a safetensors index is kilobytes; a 16 MiB one is no config
+
+
 def read_json(path: Path, what: str) -> dict[str, Any]:
+    from vllm_dflash.paths import read_bounded
+
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_bounded(path, CONFIG_LIMIT, f"{what} config", CheckpointError))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist", f"check the {what} path") from None
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}", f"check the {what} path") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -139,6 +146,8 @@ def read_checkpoint(path: Path) -> Checkpoint:
     d = resolve_dir(path)
     config_path = path if path.is_file() else d / CONFIG
     raw = read_json(config_path, "drafter")
+    if {"name", "config", "sources"} <= set(raw) and isinstance(raw["config"], dict):
+        raw = raw["config"]  # an entry of the shipped table (doctor/checkpoints/): the config it reconstructs
     speculators = "speculators_model_type" in raw
     config = from_speculators(raw) if speculators else raw
     files = tuple(sorted(p.name for p in d.iterdir() if p.is_file() or p.is_symlink())) if path.is_dir() else ()
