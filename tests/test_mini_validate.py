@@ -160,6 +160,7 @@ def _check_serving(run: Run) -> None:
     assert gates == {
         "min_acceptance_length": True,
         "reference_acceptance_length": True,
+        "draft_fill": True,
         "min_match_rate": True,
         "prefix_cache_hits": True,
     }
