@@ -287,15 +287,18 @@ def test_twin_keeps_the_shape(code: ours.OurCode) -> None:
         prove.twin_spec(entry("z-lab-dflash-tests--dflash2-config").checkpoint, dd)
 
 
-def test_extra_cases_are_found_by_name_only_while_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = C.CaseSpec(name="prove-x", summary="x", layer_types=(C.FULL,), target_layer_ids=(1,))
-    from dataclasses import asdict
+def test_extra_cases_run_by_spec_not_by_name(tmp_path: Path) -> None:
+    """A twin is not a table case: the table refuses its name, and conformance runs it from the spec alone (its
+    case.json carries the negatives the oracle needs, so no side process looks it up by name)."""
+    from vllm_dflash.conformance import compare
 
+    spec = C.CaseSpec(name="prove-x", summary="x", layer_types=(C.FULL,), target_layer_ids=(1,), negatives=("n",))
     with pytest.raises(ValueError):
         C.get_cases(["prove-x"])
-    (tmp_path / "c.json").write_text(json.dumps([asdict(spec)]))
-    monkeypatch.setenv(C.EXTRA_CASES_ENV, str(tmp_path / "c.json"))
-    assert C.get_cases(["prove-x"]) == (spec,) and C.get_cases() == C.CASES
+    assert compare.selected_specs(compare.ConformanceOptions(extra_cases=(spec,))) == (spec,)
+    mixed = C.get_cases(["mixed"])
+    assert compare.selected_specs(compare.ConformanceOptions(cases=("mixed",), extra_cases=(spec,))) == (*mixed, spec)
+    assert compare.selected_specs(compare.ConformanceOptions()) == C.CASES
 
 
 @pytest.mark.heavy

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 FULL = "full_attention"
@@ -468,12 +466,6 @@ CASES: tuple[CaseSpec, ...] = (
 CASE_NAMES: tuple[str, ...] = tuple(c.name for c in CASES)
 
 
-# Cases made outside this table (the doctor's `--prove` twins of a user's drafter): a JSON list of CaseSpec fields in
-# the file this variable names. The host, the reference env and the oracle all look cases up by name, so every process
-# of one run reads the same file; the table's own cases are unaffected.
-EXTRA_CASES_ENV = "VLLM_DFLASH_EXTRA_CASES"
-
-
 def spec_from_dict(data: dict[str, Any]) -> CaseSpec:
     """A CaseSpec from its asdict() form (JSON turns tuples into lists)."""
     fields = CaseSpec.__dataclass_fields__
@@ -481,23 +473,16 @@ def spec_from_dict(data: dict[str, Any]) -> CaseSpec:
     return CaseSpec(**kwargs)
 
 
-def extra_cases() -> tuple[CaseSpec, ...]:
-    path = os.environ.get(EXTRA_CASES_ENV)
-    if not path:
-        return ()
-    return tuple(spec_from_dict(d) for d in json.loads(Path(path).read_text()))
-
-
 def get_cases(names: tuple[str, ...] | list[str] | None = None) -> tuple[CaseSpec, ...]:
-    """The named cases in table order (all when `names` is empty; extra cases only by name). Unknown names raise
-    ValueError."""
+    """The named cases of the table, in table order (all when `names` is empty). Unknown names raise ValueError.
+    Cases made outside the table (the doctor's twins) travel as specs: ConformanceOptions.extra_cases on the host,
+    the case directory's case.json (negatives included) in the side processes."""
     if not names:
         return CASES
-    known = CASES + tuple(c for c in extra_cases() if c.name not in CASE_NAMES)
-    unknown = sorted(set(names) - {c.name for c in known})
+    unknown = sorted(set(names) - set(CASE_NAMES))
     if unknown:
         raise ValueError(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASE_NAMES)}")
-    return tuple(c for c in known if c.name in names)
+    return tuple(c for c in CASES if c.name in names)
 
 
 @dataclass(frozen=True)

@@ -456,17 +456,22 @@ def _summary(trace: Path) -> dict[str, Any] | None:
     return dict(json.loads(last).get("summary") or {})
 
 
+def selected_specs(options: ConformanceOptions) -> tuple[C.CaseSpec, ...]:
+    """The named table cases (all when none are named), then the extra ones; only the extra ones when there are
+    extra cases and no names."""
+    try:
+        named = C.get_cases(list(options.cases)) if options.cases or not options.extra_cases else ()
+    except ValueError as exc:
+        raise ConformanceError(str(exc), "pass case names from the list (or none for all)") from None
+    return (*named, *options.extra_cases)
+
+
 def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOptions) -> ConformanceResult:
     """The whole run; see the module docstring. Raises DflashError when an environment cannot be built."""
     t0 = time.monotonic()
     if options.device not in DEVICES:
         raise ConformanceError(f"unknown device '{options.device}'", f"use one of {', '.join(DEVICES)}")
-    try:
-        # Named cases (all when none are named), then the extra ones; only extra ones when extra cases and no names.
-        named = C.get_cases(list(options.cases)) if options.cases or not options.extra_cases else ()
-        specs = (*named, *options.extra_cases)
-    except ValueError as exc:
-        raise ConformanceError(str(exc), "pass case names from the list (or none for all)") from None
+    specs = selected_specs(options)
     tol = C.TOLERANCES[options.device]
     skipped = {s.name: why for s in specs if (why := C.skip_reason(s, options.device))}
     work = options.work_dir or new_run_dir(options.device)

@@ -11,11 +11,8 @@ case; never below block + 8) with prompts about three windows long, hidden size 
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_dflash.conformance import cases as C
@@ -141,22 +138,10 @@ def twin_spec(ck: Checkpoint, d: D.Diagnosis) -> tuple[C.CaseSpec, list[str]]:
 def prove(manifest: Manifest, queues: Queues, ck: Checkpoint, d: D.Diagnosis) -> ProveResult:
     spec, kept = twin_spec(ck, d)
     print(f"--prove: tiny twin '{spec.name}': " + "; ".join(kept), flush=True)
-    with tempfile.TemporaryDirectory(prefix="vllm-dflash-prove.") as td:
-        extra = Path(td) / "cases.json"
-        extra.write_text(json.dumps([asdict(spec)]))
-        old = os.environ.get(C.EXTRA_CASES_ENV)
-        os.environ[C.EXTRA_CASES_ENV] = str(extra)  # the side processes inherit it
-        try:
-            work = new_run_dir(
-                "cpu"
-            )  # the run's traces and report stay in the cache's runs/ (the user's dist/ untouched)
-            options = ConformanceOptions(cases=(spec.name,), work_dir=work, report=work / "prove-report.json")
-            result = run_conformance(manifest, queues, options)
-        finally:
-            if old is None:
-                os.environ.pop(C.EXTRA_CASES_ENV, None)
-            else:
-                os.environ[C.EXTRA_CASES_ENV] = old
+    # The run's traces and report stay in the cache's runs/ (the user's dist/ untouched).
+    work = new_run_dir("cpu")
+    options = ConformanceOptions(extra_cases=(spec,), work_dir=work, report=work / "prove-report.json")
+    result = run_conformance(manifest, queues, options)
     stock = [o for o in result.outcomes if o.build == "stock"]
     predicted = all(o.as_expected for o in stock)
     return ProveResult(spec, kept, result, predicted)
