@@ -7,13 +7,17 @@ tree work on a cheap `git clone --shared` of it. Patches used by the tests are w
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
+import zipfile
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -60,6 +64,54 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.containers)
         if uses & HEAVY_FIXTURES or item.get_closest_marker("containers") is not None:
             item.add_marker(pytest.mark.heavy)
+
+
+@contextmanager
+def http_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """`handler` served on 127.0.0.1 (a free port) in a thread; yields the base URL, shuts the server down after."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def write_wheel(dest: Path, name: str, version: str, files: Mapping[str, bytes], tag: str = "py3-none-any") -> Path:
+    """A minimal but complete wheel pip installs: `files` plus METADATA, WHEEL and a RECORD with every hash."""
+    dist = f"{name}-{version}.dist-info"
+    members = {
+        **files,
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{dist}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n".encode(),
+    }
+    rows = [
+        f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}"
+        for p, d in members.items()
+    ]
+    dest.mkdir(parents=True, exist_ok=True)
+    wheel = dest / f"{name}-{version}-{tag}.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for p, d in members.items():
+            zf.writestr(p, d)
+        zf.writestr(f"{dist}/RECORD", "\n".join([*rows, f"{dist}/RECORD,,"]) + "\n")
+    return wheel
+
+
+def checkout_requiring(root: Path, profiles: Mapping[str, Mapping[str, object]]) -> Path:
+    """`root` made a checkout with this repo's VERSION and dist.toml plus `profiles`, all of them required for
+    publishing (reports are made with them)."""
+    import tomlkit
+
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "VERSION", root / "VERSION")
+    doc = tomlkit.parse((REPO / "dist.toml").read_text())
+    for name, table in profiles.items():
+        doc["profiles"][name] = dict(table)  # type: ignore[index]
+    doc["publish"]["required_profiles"] = list(profiles)  # type: ignore[index]
+    (root / "dist.toml").write_text(tomlkit.dumps(doc))
+    return root
 
 
 @pytest.fixture(scope="session")
@@ -314,11 +366,5 @@ def local_index() -> Iterator[tuple[str, IndexFiles]]:
                 return
             self.send_error(404)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/simple", files
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(Handler) as url:
+        yield f"{url}/simple", files

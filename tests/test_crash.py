@@ -8,15 +8,14 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import zipfile
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
-from conftest import Checkout, make_checkout, send_simple_page
+from conftest import Checkout, http_server, make_checkout, send_simple_page
 
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest
@@ -59,14 +58,8 @@ def slow_index(manifest: Manifest, real_cache: Path) -> Iterator[str]:
                 return
             self.send_error(404)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/simple"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(Handler) as url:
+        yield f"{url}/simple"
 
 
 def _start(co: Checkout, env: dict[str, str]) -> subprocess.Popen[str]:

@@ -16,16 +16,16 @@ import shutil
 import stat
 import subprocess
 import sys
-import threading
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tomlkit
+from conftest import checkout_requiring, http_server, write_wheel
 from test_publish import make_wheel
 
 from vllm_dflash.cli import main
@@ -140,26 +140,13 @@ def fake() -> Iterator[tuple[str, Fake]]:
             }
             self._send(200, json.dumps(doc).encode())
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", state
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(Handler) as url:
+        yield url, state
 
 
 @pytest.fixture
 def root(tmp_path: Path, repo_root: Path) -> Path:
-    root = tmp_path / "checkout"
-    root.mkdir()
-    shutil.copy(repo_root / "VERSION", root / "VERSION")
-    doc = tomlkit.parse((repo_root / "dist.toml").read_text())
-    doc["profiles"][PROFILE] = TABLE  # type: ignore[index]
-    doc["publish"]["required_profiles"] = [PROFILE]  # type: ignore[index]
-    (root / "dist.toml").write_text(tomlkit.dumps(doc))
-    return root
+    return checkout_requiring(tmp_path / "checkout", {PROFILE: TABLE})
 
 
 @pytest.fixture(autouse=True)
@@ -616,19 +603,13 @@ def test_resolver_reads_pep658_metadata_over_pep691_json(
             self.end_headers()
             self.wfile.write(body)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/simple/"
+    with http_server(Handler) as base:
         out = subprocess.run(
             [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--disable-pip-version-check",
-             "--no-cache-dir", "--ignore-installed", "--report", "-", "--quiet", "--index-url", url,
+             "--no-cache-dir", "--ignore-installed", "--report", "-", "--quiet", "--index-url", f"{base}/simple/",
              "gatedemo==1.2.3"],
             check=True, env=ISOLATED, capture_output=True, text=True,
         )  # fmt: skip
-    finally:
-        server.shutdown()
-        server.server_close()
     resolved = json.loads(out.stdout)["install"]
     assert [r["metadata"]["version"] for r in resolved] == ["1.2.3"]
     served = [name for _, name in seen]
@@ -649,11 +630,10 @@ def test_no_prompt_set_count_drift() -> None:
 def make_vllm_wheel(dest: Path, body: str = "# ours\n") -> Path:
     """A small wheel as `vllm-dflash build` shapes it: named vllm, our version, an x86_64 tag, and the provenance
     document a release needs (the release's documents are computed from it)."""
-    import base64
 
     from vllm_dflash import provenance as prov
 
-    version, dist = "0.20.1+dflash.1", "vllm-0.20.1+dflash.1.dist-info"
+    version = "0.20.1+dflash.1"
     doc = prov.Provenance(
         version=version,
         upstream=prov.UpstreamRef("0.20.1", "v0.20.1", "https://github.com/vllm-project/vllm.git", "f98b2747f",
@@ -663,24 +643,11 @@ def make_vllm_wheel(dest: Path, body: str = "# ours\n") -> Path:
         build=prov.BuildInfo("vllm-dflash", "0.1.0", "fast", "test", "base.whl", "d" * 64),
         changed_files=("vllm/__init__.py",),
     )  # fmt: skip
-    tag = "py3-none-manylinux_2_35_x86_64"
     files = {
         "vllm/__init__.py": body.encode(),
         prov.PATH: doc.dumps() if isinstance(doc.dumps(), bytes) else str(doc.dumps()).encode(),
-        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n".encode(),
-        f"{dist}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n".encode(),
     }
-    rows = [
-        f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}"
-        for p, d in files.items()
-    ]
-    dest.mkdir(parents=True, exist_ok=True)
-    wheel = dest / f"vllm-{version}-{tag}.whl"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        for p, d in files.items():
-            zf.writestr(p, d)
-        zf.writestr(f"{dist}/RECORD", "\n".join([*rows, f"{dist}/RECORD,,"]) + "\n")
-    return wheel
+    return write_wheel(dest, "vllm", version, files, tag="py3-none-manylinux_2_35_x86_64")
 
 
 @pytest.fixture

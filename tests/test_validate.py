@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tomlkit
+from conftest import checkout_requiring, write_wheel
 from cpu_server import CPU_SERVER_WHEEL, cpu_server_python, make_tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -59,10 +59,6 @@ def checkout(repo_root: Path, tmp_path_factory: pytest.TempPathFactory, cpu_pyth
     """A checkout whose manifest has CPU test profiles (a tiny local model) and requires the passing one."""
     base = tmp_path_factory.mktemp("validate")
     model = make_tiny_model(cpu_python, base / "tiny-qwen3")
-    root = base / "checkout"
-    root.mkdir()
-    shutil.copy(repo_root / "VERSION", root / "VERSION")
-    doc = tomlkit.parse((repo_root / "dist.toml").read_text())
     table: dict[str, Any] = {
         "target": str(model),
         "served_model_name": "tiny-qwen3",
@@ -79,11 +75,9 @@ def checkout(repo_root: Path, tmp_path_factory: pytest.TempPathFactory, cpu_pyth
         "health_timeout_s": 600.0,
         "min_acceptance_length": 2.0,
     }
-    doc["profiles"][PASSING] = table
-    doc["profiles"][UNREACHABLE] = {**table, "min_acceptance_length": float(1 + K)}  # AL must exceed 1 + K
-    doc["publish"]["required_profiles"] = [PASSING, UNREACHABLE]
-    (root / "dist.toml").write_text(tomlkit.dumps(doc))
-    return root
+    # UNREACHABLE: AL must exceed 1 + K
+    unreachable = {**table, "min_acceptance_length": float(1 + K)}
+    return checkout_requiring(base / "checkout", {PASSING: table, UNREACHABLE: unreachable})
 
 
 class Servers:
@@ -286,27 +280,7 @@ def test_container_command_runs_the_image_entrypoint_with_gpus() -> None:
 
 
 def _write_wheel(dest: Path, files: dict[str, bytes], name: str = "vllm", version: str = "0.20.1+dflash.9") -> Path:
-    import base64
-    import hashlib
-    import zipfile
-
-    dist = f"{name}-{version}.dist-info"
-    files = {
-        **files,
-        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    rows = [
-        f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}"
-        for p, d in files.items()
-    ]
-    dest.mkdir(parents=True, exist_ok=True)
-    wheel = dest / f"{name}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        for p, d in files.items():
-            zf.writestr(p, d)
-        zf.writestr(f"{dist}/RECORD", "\n".join([*rows, f"{dist}/RECORD,,"]) + "\n")
-    return wheel
+    return write_wheel(dest, name, version, files)
 
 
 def test_provenance_reads_build_info_and_binds_the_exact_wheel(tmp_path: Path) -> None:
