@@ -43,10 +43,10 @@ def _in_ref(ref_python: Path, *args: str | Path) -> subprocess.CompletedProcess[
 
 
 @pytest.fixture(scope="session")
-def built_cases(ref_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("cases")
-    _in_ref(ref_python, "-m", "vllm_dflash.conformance.tiny", json.dumps({"out": str(out), "cases": []}))
-    return {s.name: out / f"{s.name}-{s.digest()}" for s in C.CASES}
+def built_cases(ref_python: Path, manifest: Manifest) -> dict[str, Path]:
+    """The cases as conformance runs them: from the cache (built there when missing). A fresh build is compared
+    with them byte for byte below, so a cached model that its generator would no longer make is caught."""
+    return compare.ensure_cases(manifest, ref_python, C.CASES)
 
 
 RUN_CASES = tuple(c for c in C.CASES if not c.refusal)  # cases vLLM runs and the oracle recomputes
@@ -177,7 +177,8 @@ def test_tiny_models_have_the_layout_vllm_and_the_reference_read(built_cases: di
 
 @pytest.mark.network
 def test_tiny_models_are_deterministic(ref_python: Path, built_cases: dict[str, Path], tmp_path: Path) -> None:
-    """Same spec, same bytes: the cache keyed by the spec's digest may be trusted."""
+    """Same spec, same bytes: the cache keyed by the spec's digest may be trusted (a fresh build equals the cached
+    one conformance uses)."""
     _in_ref(ref_python, "-m", "vllm_dflash.conformance.tiny", json.dumps({"out": str(tmp_path), "cases": ["mixed"]}))
     spec = C.get_cases(["mixed"])[0]
     again, first = tmp_path / f"mixed-{spec.digest()}", built_cases["mixed"]
@@ -243,8 +244,9 @@ output, _ = orc.greedy(prompt, orc.case.max_tokens)
 seq = prompt + output
 mask = int(orc.drafter.mask_token_id)
 lines = []
+full_hs, _ = orc.forward(seq)  # what the oracle computes: one forward over the final sequence, sliced per context
 for start in (len(prompt), len(prompt) + 5):
-    hs = orc.hidden_states(seq[:start])
+    hs = [h[:, :start] for h in full_hs]
     logits = orc.draft_logits(hs, start, seq[start], O.variant(O.MAIN))
     lines.append({
         "request": 0, "kind": "verified", "token_ids": seq[: start + 1], "context_len": start, "block_start": start,
@@ -254,14 +256,22 @@ for start in (len(prompt), len(prompt) + 5):
 summary = {"outputs": [output], "request_prompts": [0], "num_drafts": 2, "num_proposals_recorded": 2}
 
 
-def run(name, edit):
+def run(name, edit, summary=summary):
     recs = json.loads(json.dumps(lines))
     edit(recs[0])
     path = out_dir / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in [*recs, {"summary": summary}]))
     m = O.evaluate(orc, path, ())
     return {"consistent": m.trace_consistent, "problems": m.trace_problems, "agree": m.main.argmax_agree,
-            "total": m.main.argmax_total, "max_abs": m.main.max_abs}
+            "total": m.main.argmax_total, "max_abs": m.main.max_abs, "lossless": m.lossless,
+            "lossless_requests": m.lossless_requests}
+
+
+# An output that is not the target's greedy one past the checked steps (its last token changed): not lossless.
+wrong = [*output[:-1], (output[-1] + 1) % 512]
+checked, gaps = orc.greedy_checked(prompt, output, orc.forward(seq)[1], orc.case.max_tokens)
+scratch, scratch_gaps = orc.greedy(prompt, orc.case.max_tokens)
+fallback, _ = orc.greedy_checked(prompt, wrong, orc.forward(prompt + wrong)[1], orc.case.max_tokens)
 
 
 def flip(rec):
@@ -275,6 +285,9 @@ result = {
     "positions": run("positions", lambda r: r["block_positions"].__setitem__(2, 0)),
     "no_drafts": run("no_drafts", lambda r: r.pop("draft_ids")),
     "drafts": run("drafts", flip),
+    "not_greedy": run("not_greedy", lambda r: None, {**summary, "outputs": [wrong]}),
+    "greedy": {"checked": checked == scratch == output, "fallback": fallback == scratch != wrong,
+               "gap_diff": max(abs(a - b) for a, b in zip(gaps, scratch_gaps))},
 }
 print("RESULT " + json.dumps(result))
 """
@@ -284,7 +297,8 @@ print("RESULT " + json.dumps(result))
 def test_trace_check_compares_with_what_the_recorder_did_not_build(
     ref_python: Path, built_cases: dict[str, Path], tmp_path: Path
 ) -> None:
-    """The oracle's trace check on a trace made from the oracle itself: valid, it passes with zero difference; a
+    """The oracle's trace check on a trace made from the oracle itself: valid, it passes with zero difference and is
+    lossless (an output one token off is not); a
     bonus token that is not the output's, a block without mask tokens, broken positions or missing draft ids make it
     inconsistent; draft ids that are not the logits' argmax (what vLLM proposed differing from what it computed) are
     counted as argmax disagreements."""
@@ -296,6 +310,11 @@ def test_trace_check_compares_with_what_the_recorder_did_not_build(
         assert not got[name]["consistent"] and word in got[name]["problems"][0], (name, got[name])
     assert not got["no_drafts"]["consistent"] and "no draft ids" in got["no_drafts"]["problems"][0]
     assert got["drafts"]["consistent"] and got["drafts"]["agree"] == got["drafts"]["total"] - 1, got["drafts"]
+    # Lossless from one forward per request: the greedy output passes, one changed token fails (the check falls back
+    # to the from-scratch greedy loop, which disagrees with it), and the gaps are the from-scratch loop's.
+    assert valid["lossless"] and valid["lossless_requests"] == 1, valid
+    assert not got["not_greedy"]["lossless"] and got["not_greedy"]["lossless_requests"] == 0, got["not_greedy"]
+    assert got["greedy"]["checked"] and got["greedy"]["fallback"] and got["greedy"]["gap_diff"] < 1e-4, got["greedy"]
 
 
 # ---- verdicts ----------------------------------------------------------------------------------------------------
@@ -404,6 +423,19 @@ def test_assign_blocks_maps_by_prompt_not_by_order_and_refuses_ambiguity() -> No
         assign_blocks([_block([9, 9], 3, 7, call=5)], [a, b], "t")
     with pytest.raises(AmbiguousMapping, match="share a prompt"):
         assign_blocks([], [a, Request(1, 0, a.prompt, a.output)], "t")
+
+
+def test_oracle_jobs_split_by_case_and_balanced() -> None:
+    """Every trace of one case goes to the same oracle process (its models are loaded once), and the processes get
+    about the same number of traces."""
+    jobs = [(Path(f"/c/{c}"), Path(f"/w/{b}/{c}.jsonl"), Path(f"/w/{b}/{c}.m")) for c in "abcde" for b in ("p", "s")]
+    jobs += [(Path("/c/f"), Path("/w/p/f.jsonl"), Path("/w/p/f.m"))]
+    chunks = compare.split_by_case(jobs, 2)
+    assert sorted(j for c in chunks for j in c) == sorted(jobs) and len(chunks) == 2
+    assert all(len({j[0] for j in c} & {j[0] for j in d}) == 0 for c in chunks for d in chunks if c is not d)
+    assert sorted(len(c) for c in chunks) == [5, 6]
+    assert len(compare.split_by_case(jobs, 1)) == 1
+    assert compare.split_by_case([], 2) == []
 
 
 def test_proposal_kinds() -> None:

@@ -406,6 +406,9 @@ CASES: tuple[CaseSpec, ...] = (
         negatives=(NEG_REFERENCE_LITERAL, NEG_FULL_ATTN),
         seed=6,
         tensor_parallel_size=2,
+        # Stock's negative control at TP 2 is tp2-mixed (and real-shape at TP 1): a second stock TP engine here
+        # would cost ~35 s of every run and prove nothing either of those does not.
+        expect_stock="skip",
     ),
     CaseSpec(
         name="bf16",

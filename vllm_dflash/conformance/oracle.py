@@ -142,6 +142,10 @@ class ReferenceOracle:
     def hidden_states(self, ids: Sequence[int]) -> list[Any]:
         """HF hidden_states for `ids` with the last entry replaced by the PRE-norm residual stream after the last
         layer, plus that post-norm tensor appended as the final element (used only by `postnorm-last-tap`)."""
+        return self.forward(ids)[0]
+
+    def forward(self, ids: Sequence[int]) -> tuple[list[Any], Any]:
+        """One from-scratch target forward over `ids`: hidden_states() and the [len(ids), vocab] logits."""
         import torch
 
         captured: list[Any] = []
@@ -158,7 +162,24 @@ class ReferenceOracle:
         hs = list(out.hidden_states)
         postnorm = hs[-1]
         hs[-1] = captured[-1]
-        return [*hs, postnorm]
+        return [*hs, postnorm], out.logits[0]
+
+    def greedy_checked(
+        self, prompt: Sequence[int], output: Sequence[int], logits: Any, max_tokens: int
+    ) -> tuple[list[int], list[float]]:
+        """greedy(prompt, max_tokens), from the logits of one forward over prompt + output: where every output token
+        is the argmax of the logits before it, output IS the greedy continuation (each step's context is then the
+        greedy one), and those logits give each step's top-2 gap. Anywhere else: greedy() from scratch."""
+        import torch
+
+        n = len(prompt)
+        if len(output) != max_tokens or logits.shape[0] != n + len(output):
+            return self.greedy(prompt, max_tokens)
+        steps = logits[n - 1 : n - 1 + max_tokens]
+        top = torch.topk(steps, 2, dim=-1).values
+        if [int(t) for t in torch.argmax(steps, dim=-1)] != list(output):
+            return self.greedy(prompt, max_tokens)
+        return list(output), [float(g) for g in top[:, 0] - top[:, 1]]
 
     def taps(self, hs: list[Any], v: Variant) -> Any:
         from dflash.model import extract_context_feature
@@ -326,6 +347,10 @@ def evaluate(
     request_prompts: list[int] = summary.get("request_prompts") or list(range(len(outputs)))
     mask = int(oracle.drafter.mask_token_id)
     accepted_lo = accepted_hi = 0
+    # One from-scratch target forward per request over its final sequence: the target is causal, so the hidden states
+    # of any context that is a prefix of it (checked per step below) are that forward's first positions, and its
+    # logits check the output against the target's greedy choice at every position.
+    forwards: dict[int, tuple[list[Any], Any]] = {}
     m.prefill_starts = [[] for _ in request_prompts]
     m.prompt_lengths = [len(case.prompts[i]) for i in request_prompts]
     for i, rec in enumerate(steps):
@@ -374,7 +399,9 @@ def evaluate(
             n = next((j for j, (a, b) in enumerate(zip(draft, seen, strict=False)) if a != b), len(seen))
             accepted_lo += n
             accepted_hi += oracle.k if n == len(seen) else n
-        hs = oracle.hidden_states(ids[:ctx])
+        if req not in forwards:
+            forwards[req] = oracle.forward(full)
+        hs = [h[:, :ctx] for h in forwards[req][0]]
         bonus = ids[start]
         m.main.add(i, got, oracle.draft_logits(hs, ctx, bonus, variant(MAIN)), got_ids, tie_margin, tol)
         for name in variants:
@@ -383,10 +410,13 @@ def evaluate(
         m.positions += oracle.k
     greedy: dict[int, tuple[list[int], list[float]]] = {}
     for req, pidx in enumerate(request_prompts):
-        if pidx not in greedy:
-            greedy[pidx] = oracle.greedy(case.prompts[pidx], case.max_tokens)
-        want, gaps = greedy[pidx]
         got_out = outputs[req] if req < len(outputs) else []
+        if pidx not in greedy:
+            prompt = case.prompts[pidx]
+            if req not in forwards:
+                forwards[req] = oracle.forward(prompt + got_out)
+            greedy[pidx] = oracle.greedy_checked(prompt, got_out, forwards[req][1], case.max_tokens)
+        want, gaps = greedy[pidx]
         n = len(want)
         if not exact_lossless:
             # Under bf16 a near-tie may legitimately flip; compare up to the first one.

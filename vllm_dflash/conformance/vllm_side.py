@@ -49,6 +49,10 @@ DEFAULT_EXECUTOR = "uni-1t"
 # uni: the worker in this process (UniProcExecutor), torch's default threads; uni-1t: the same with one OpenMP
 # thread; mp: vLLM's engine core and one worker process per rank, OMP threads bound per rank.
 EXECUTORS = ("uni", "uni-1t", "mp")
+# The KV cache of one CPU case. Its largest need, the 64-layer real-shape target at max_model_len 256, is ~10 MiB;
+# vLLM 0.20.1's in-process engines do not give their cache back when shut down, so a process running every case at
+# 1 GiB each (VLLM_CPU_KVCACHE_SPACE=1) grew to 15 GB, and two such processes side by side were OOM-killed on 23 GB.
+CPU_KV_CACHE_BYTES = 128 << 20
 _SPEC_METRICS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
@@ -62,7 +66,6 @@ def _prepare_environ(device: str) -> None:
     # Engine core in this process (saves a second `import vllm`); vLLM still runs the model in a worker process.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if device == "cpu":
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
         # Every LLM starts a fresh worker whose warm-up torch.compile's the top-k/top-p sampler (20-50 s on 2 cores).
         # Greedy decoding never uses it and the drafter runs eagerly (enforce_eager) either way: run it uncompiled.
@@ -324,6 +327,8 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
     )
     if case.get("kv_block_size"):
         llm_kwargs["block_size"] = int(case["kv_block_size"])
+    if device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # that (legacy, whole GiB) would override it
+        llm_kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     if case.get("refusal"):
         return check_refusal(case_dir, out_path, llm_kwargs, case["refusal"])
     llm = LLM(**llm_kwargs)
