@@ -413,8 +413,16 @@ def test_ctrl_c_before_the_first_stage_is_one_line(co: Checkout, cpu: float) -> 
 
 def test_ctrl_c_traceback_is_what_the_check_sees() -> None:
     """The control: a Python program without our handler does print a KeyboardInterrupt traceback."""
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)
+    # SIGINT back to its default in the child (a shell's background job inherits it ignored, and Python then
+    # installs no KeyboardInterrupt handler); the signal is sent once the child says it is running.
+    p = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=30)
     assert "Traceback" in err and "KeyboardInterrupt" in err
