@@ -160,12 +160,15 @@ class VllmEnv:
     wheel: Path
     extra_paths: tuple[Path, ...] = ()  # more target dirs (a test plugin, say)
 
-    def environ(self, extra_pythonpath: tuple[Path, ...] = ()) -> dict[str, str]:
-        """Environment for a subprocess: this vLLM build first on sys.path, CPU settings for a small machine."""
+    def environ(self, extra_pythonpath: tuple[Path, ...] = (), kv_cache_gib: str | None = "1") -> dict[str, str]:
+        """Environment for a subprocess: this vLLM build first on sys.path, CPU settings for a small machine.
+        `kv_cache_gib`: the default VLLM_CPU_KVCACHE_SPACE (None: none, the caller sizes the cache itself); a value
+        already in the environment wins."""
         env = dict(os.environ)
         paths = [str(p) for p in (self.vllm_dir, *self.extra_paths, *extra_pythonpath)]
         env["PYTHONPATH"] = os.pathsep.join(paths)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if kv_cache_gib is not None:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", kv_cache_gib)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
         return env
 

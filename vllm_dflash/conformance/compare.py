@@ -247,10 +247,8 @@ def vllm_runner(manifest: Manifest, queues: Queues, wheel: Path, device: str) ->
         stock = fetch(manifest.cpu_wheels[platform.machine()])
         env = vllm_cpu_env(wheel, stock)
         plugin = _plugin_target(manifest, env.python)
-        environ = env.environ(extra_pythonpath=(plugin, extra))
-        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vllm_side sizes each case's cache (CPU_KV_CACHE_BYTES)
-        return Runner(env.python, environ)
+        # No default VLLM_CPU_KVCACHE_SPACE: vllm_side sizes each case's cache (CPU_KV_CACHE_BYTES).
+        return Runner(env.python, env.environ(extra_pythonpath=(plugin, extra), kv_cache_gib=None))
     # GPU node: a venv per wheel, with the wheel's own CUDA dependencies (torch etc.) resolved by pip.
     spec = VenvSpec(name=f"vllm-cuda-{sha256_file(wheel)[:12]}", steps=((str(wheel),), (str(plugin_source(manifest)),)))
     venv = ensure_venv(spec)
@@ -525,8 +523,9 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
     wheels: dict[str, Path] = {}
     side_errors: dict[tuple[str, str], str] = {}
     by_name = {s.name: s for s in specs}
-    single: list[tuple[Runner, list[tuple[str, Path, Path]]]] = []
-    parallel: list[tuple[Runner, list[tuple[str, Path, Path]]]] = []
+    Group = tuple[str, Runner, list[tuple[str, Path, Path]]]  # build, its runner, its (case, dir, trace) jobs
+    single: list[Group] = []
+    tensor_parallel: list[Group] = []
     for build in options.builds:
         if build == "stock":
             wheel = options.stock_wheel or stock_wheel(manifest, queues, options.device)
@@ -543,19 +542,18 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
         (work / build).mkdir(parents=True, exist_ok=True)
         # Tensor-parallel cases in a process of their own: a fresh process starts vLLM's engine and worker processes
         # without the memory the single-rank cases' in-process engines left behind.
-        single.append((runner, [j for j in jobs if by_name[j[0]].tensor_parallel_size == 1]))
-        parallel.append((runner, [j for j in jobs if by_name[j[0]].tensor_parallel_size > 1]))
+        single.append((build, runner, [j for j in jobs if by_name[j[0]].tensor_parallel_size == 1]))
+        tensor_parallel.append((build, runner, [j for j in jobs if by_name[j[0]].tensor_parallel_size > 1]))
 
-    def side(group: tuple[Runner, list[tuple[str, Path, Path]]]) -> None:
-        runner, jobs = group
-        build = jobs[0][2].parent.name
+    def side(group: Group) -> None:
+        build, runner, jobs = group
         for name, msg in run_vllm_side(runner, jobs, options.device, options.executor).items():
             side_errors[(build, name)] = msg
 
     # The builds' single-rank groups at once where each uses one core (the one-thread in-process executor); the
     # tensor-parallel groups one at a time (a core per rank).
-    _in_parallel(side, [g for g in single if g[1]], _concurrency(options))
-    _in_parallel(side, [g for g in parallel if g[1]], 1)
+    _in_parallel(side, [g for g in single if g[2]], _concurrency(options))
+    _in_parallel(side, [g for g in tensor_parallel if g[2]], 1)
 
     # The oracle: one process per tolerance (bf16 cases compare with looser bounds than fp32 ones) and per core.
     oracle_groups: list[tuple[list[tuple[Path, Path, Path]], C.Tolerance]] = []
