@@ -478,12 +478,18 @@ def test_serving_checks_fail_on_bad_counts_and_pass_on_good_ones() -> None:
     assert compare.serving_problems(C.get_cases(["mixed"])[0], {"num_drafts": 3, "num_accepted_tokens": 1}) == []
 
 
-def test_serving_fields_keep_old_digests_and_enter_new_ones() -> None:
+def test_serving_fields_keep_old_digests_and_enter_new_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     mixed = C.get_cases(["mixed"])[0]
     assert not mixed.is_serving
     spec = {k: v for k, v in dataclasses.asdict(mixed).items() if k not in C.SERVING_FIELDS}
-    blob = json.dumps({"spec": spec, "generator": C.GENERATOR_VERSION}, sort_keys=True).encode()
+    fields = sorted(f.name for f in dataclasses.fields(C.CaseFile))
+    blob = json.dumps({"spec": spec, "generator": C.GENERATOR_VERSION, "case_file": fields}, sort_keys=True).encode()
     assert mixed.digest() == hashlib.sha256(blob).hexdigest()[:12]
+    # A case.json that gains a field moves every digest: a cached directory written without it (CI's cache held
+    # case.json files without "negatives", and the oracle then looked the doctor's twin up by name) is rebuilt.
+    monkeypatch.setattr(C, "case_file_fields", lambda: [*fields, "a_new_field"])
+    assert mixed.digest() != hashlib.sha256(blob).hexdigest()[:12]
+    monkeypatch.undo()
     batched = dataclasses.replace(mixed, batched=True)
     assert batched.is_serving and batched.digest() != mixed.digest()
     assert (

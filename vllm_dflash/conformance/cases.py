@@ -167,11 +167,14 @@ class CaseSpec:
         return {f: getattr(self, f) for f in SERVING_FIELDS if getattr(self, f) != defaults[f].default}
 
     def digest(self) -> str:
-        """Hash of everything that determines the saved models and the run (plus the generator version). Serving
-        fields enter only when set, so the cases that existed before them keep their digests (and cached models)."""
+        """Hash of everything that determines the saved models and the run: the spec, the generator version and
+        case.json's field names (a cached directory whose case.json lacks a field the side processes now read is
+        never reused). Serving fields enter only when set, so adding one does not move the other cases' digests."""
         spec = {k: v for k, v in asdict(self).items() if k not in SERVING_FIELDS}
         spec.update(self._serving_changes())
-        blob = json.dumps({"spec": spec, "generator": GENERATOR_VERSION}, sort_keys=True).encode()
+        blob = json.dumps(
+            {"spec": spec, "generator": GENERATOR_VERSION, "case_file": case_file_fields()}, sort_keys=True
+        ).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -191,7 +194,8 @@ SERVING_FIELDS: tuple[str, ...] = (
 )
 
 
-# Bump when tiny.py changes what it writes for the same spec, so cached case directories are rebuilt.
+# Bump when tiny.py changes what it writes for the same spec, so cached case directories are rebuilt (a new case.json
+# field needs no bump: its name enters the digest).
 GENERATOR_VERSION = 2
 
 _WINDOW_NEGS = (NEG_FULL_ATTN, NEG_WINDOW_MINUS, NEG_WINDOW_PLUS)
@@ -545,7 +549,7 @@ class CaseFile:
     kv_block_size: int | None = None
     rounds: int = 1
     tensor_parallel_size: int = 1
-    negatives: list[str] | None = None  # the negative-control oracles to run (None: the named case's, from CASES)
+    negatives: list[str] = field(default_factory=list)  # the negative-control oracles the trace is also run against
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -554,6 +558,11 @@ class CaseFile:
     def from_json(cls, text: str) -> CaseFile:
         data = json.loads(text)
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+def case_file_fields() -> list[str]:
+    """case.json's field names, in the digest of every case."""
+    return sorted(CaseFile.__dataclass_fields__)
 
 
 def tolerance_for(spec: CaseSpec, device: str) -> Tolerance:

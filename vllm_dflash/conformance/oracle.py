@@ -567,11 +567,6 @@ def bf16_drift(oracle: ReferenceOracle, dtype: str = "bfloat16") -> dict[str, An
     return out
 
 
-def variants_for(case_name: str) -> tuple[str, ...]:
-    spec = C.get_cases([case_name])[0]
-    return (*spec.negatives, C.STOCK_MODEL)
-
-
 def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=1))
@@ -619,9 +614,7 @@ def _oracle_main(argv: list[str] | None = None) -> int:
         metrics = evaluate(
             oracle,
             Path(trace),
-            (*oracle.case.negatives, C.STOCK_MODEL)
-            if oracle.case.negatives is not None
-            else variants_for(oracle.case.name),
+            (*oracle.case.negatives, C.STOCK_MODEL),
             tie_margin=tie_margin,
             tol=tol,
             exact_lossless=not approx_lossless,
