@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -55,9 +56,16 @@ CONTAINER_FIXTURES = frozenset({"podman_store", "emulated_store"})
 EMULATION_FIXTURES = frozenset({"emulated_store"})
 
 
+# Tests that need the trained miniature (marker `miniature`): when one is selected, it is trained in the background
+# from the start of the run (tests/train_ahead.py).
+MINIATURE_FIXTURES = frozenset({"mini_models"})
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         uses = set(getattr(item, "fixturenames", ()))
+        if uses & MINIATURE_FIXTURES:
+            item.add_marker(pytest.mark.miniature)
         if uses & EMULATION_FIXTURES:
             item.add_marker(pytest.mark.emulation)
         if uses & CONTAINER_FIXTURES:
@@ -112,6 +120,33 @@ def checkout_requiring(root: Path, profiles: Mapping[str, Mapping[str, object]])
     doc["publish"]["required_profiles"] = list(profiles)  # type: ignore[index]
     (root / "dist.toml").write_text(tomlkit.dumps(doc))
     return root
+
+
+_AHEAD: list[subprocess.Popen[bytes]] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start training the miniature now if a selected test needs it (a cached one is found at once): the training is
+    single-threaded, and the tests before the miniature's leave the second core mostly idle."""
+    if session.config.option.collectonly or not any(i.get_closest_marker("miniature") for i in session.items):
+        return
+    from vllm_dflash.fetch import cache_dir
+
+    log = cache_dir() / "logs" / "train-ahead.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, str(REPO / "tests" / "train_ahead.py")]
+    print(f"\n+ {' '.join(argv)} &  (the miniature, in the background; log: {log})", flush=True)
+    with log.open("wb") as out:
+        _AHEAD.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A run that ends before the miniature's tests (-x, Ctrl-C) stops the training (it leaves nothing half-written:
+    train.py renames its output into place only when complete)."""
+    for p in _AHEAD:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait()
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from vllm_dflash.errors import PublishRefusedError
 from vllm_dflash.report import load
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.heavy, pytest.mark.slow]
+pytestmark = [pytest.mark.heavy, pytest.mark.slow, pytest.mark.miniature]
 
 
 @dataclass

@@ -194,7 +194,7 @@ def stock_wheel(manifest: Manifest, queues: Queues, device: str) -> Path:
         if art is None:
             raise ManifestError(f"no vLLM CUDA wheel pinned for {platform.machine()}", "add it to [artifacts.wheel]")
         return fetch(art)
-    return cached_build(manifest, queues, "cpu", "stock", conformance_dir())
+    return cached_build(manifest, queues, "cpu", "stock")
 
 
 def patched_wheel(manifest: Manifest, queues: Queues, device: str) -> Path:
@@ -203,7 +203,7 @@ def patched_wheel(manifest: Manifest, queues: Queues, device: str) -> Path:
         raise ConformanceError(
             f"the patch queue in {queues.dflash.series} is empty", "nothing to validate: add patches/series"
         )
-    return cached_build(manifest, queues, "cpu" if device == "cpu" else "upstream", "dflash", conformance_dir())
+    return cached_build(manifest, queues, "cpu" if device == "cpu" else "upstream", "dflash")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_dflash.errors import ManifestError, UnsupportedModeError
-from vllm_dflash.fetch import fetch
+from vllm_dflash.fetch import cache_dir, fetch
 from vllm_dflash.manifest import MACHINES, Manifest
 from vllm_dflash.paths import check_output_dir, ensure_dir, sweep_stale, temp_sibling
 from vllm_dflash.pipeline import fullbuild, source
@@ -180,10 +180,11 @@ def _build_key(manifest: Manifest, queues: Queues, base: str, variant: str) -> s
     return h.hexdigest()[:12]
 
 
-def cached_build(manifest: Manifest, queues: Queues, base: str, variant: str, cache: Path) -> Path:
-    """This machine's wheel of `base` ("upstream" or "cpu") and `variant`, built once into `cache`/wheels under the
-    hash of what determines its bytes, from a private source tree (a user's `vllm-dflash source` tree is never
-    touched). The conformance test and the miniature profile build through here."""
+def cached_build(manifest: Manifest, queues: Queues, base: str, variant: str) -> Path:
+    """This machine's wheel of `base` ("upstream" or "cpu") and `variant`, built once into the cache's builds/wheels
+    under the hash of what determines its bytes, from a private source tree (a user's `vllm-dflash source` tree is
+    never touched). Conformance, the doctor and the miniature profiles all build through here and share the wheels."""
+    cache = cache_dir() / "builds"
     if platform.machine() not in (manifest.cpu_wheels if base == "cpu" else manifest.wheels):
         raise ManifestError(f"no {base} wheel pinned for {platform.machine()}", "add it to dist.toml [artifacts.*]")
     out = ensure_dir(cache / "wheels") / f"{base}-{variant}-{_build_key(manifest, queues, base, variant)}"

