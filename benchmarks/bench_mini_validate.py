@@ -77,7 +77,8 @@ def _run(profile: str, env: dict[str, str], td: Path, tag: str, *extra: str) -> 
         "gates": {g["gate"]: g["passed"] for g in data.get("gates") or []},
         "verdict": data.get("verdict"),
     }
-    return result, data.get("comparisons", {}).get("stock", {}).get("server", {}).get("artifact", {}).get("name", "")
+    # A run with the stock wheel as the validated one has no stock comparison (its report says "comparisons": null).
+    return result, str(((comp.get("server") or {}).get("artifact") or {}).get("name") or "")
 
 
 def main() -> int:
@@ -102,9 +103,10 @@ def main() -> int:
             ok = ok and res["exit_code"] == 0
             print(f"{profile}: {res['wall_s']:.0f} s, exit {res['exit_code']}, AL {res['al']}", flush=True)
             if args.swap and stock_name:
-                wheel = next((cache / "validate").glob(f"*/{stock_name}"), None)
+                built = cache / "builds" / "wheels"  # where pipeline.build.cached_build puts every CPU build
+                wheel = next(built.glob(f"*/{stock_name}"), None)
                 if wheel is None:
-                    print(f"no stock wheel {stock_name} under {cache / 'validate'}", file=sys.stderr)
+                    print(f"no stock wheel {stock_name} under {built}", file=sys.stderr)
                     ok = False
                     continue
                 swapped, _ = _run(profile, env, td, f"{profile}-stock-wheel", "--wheel", str(wheel))
