@@ -766,3 +766,64 @@ def test_publish_report_that_is_no_regular_file_is_refused(root: Path, tmp_path:
     index = tmp_path / "index"
     publish_refused(root, index, wheel, "--report", fifo, words="not a regular file")
     publish_refused(root, index, wheel, "--report", tmp_path, words="not a regular file")
+
+
+def test_each_request_gets_its_own_connection(manifest: Any) -> None:
+    """No pooled keep-alive connection is reused (one the server has just closed as idle fails a request before it
+    reaches vLLM, and we never retry: a retry could count a request twice). Control: the same server sees a plain
+    OpenAI client reuse one connection for all of them."""
+    from dataclasses import replace
+
+    from openai import OpenAI
+
+    from vllm_dflash.validate.promptsets import Prompt
+    from vllm_dflash.validate.smoke import run_prompts
+
+    seen: list[tuple[int, str | None]] = []
+
+    class Api(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive unless the client asks otherwise
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _reply(self, doc: dict[str, Any]) -> None:
+            seen.append((self.client_address[1], self.headers.get("Connection")))
+            body = json.dumps(doc).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            self._reply({"object": "list", "data": [{"id": "m", "object": "model", "created": 0, "owned_by": "t"}]})
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            message = {"role": "assistant", "content": "ok"}
+            choice = {"index": 0, "message": message, "finish_reason": "stop"}
+            usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+            self._reply(
+                {
+                    "id": "c",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": "m",
+                    "choices": [choice],
+                    "usage": usage,
+                }
+            )
+
+    profile = replace(manifest.profiles["mini-cpu-serving"], served_model_name="m", concurrency=2)
+    prompts = [Prompt(id=f"p{i}", category="t", text="hello") for i in range(4)]
+    with http_server(Api) as url:
+        run_prompts(url, profile, prompts, show_progress=False)
+        ours = list(seen)
+        seen.clear()
+        plain = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        for p in prompts:
+            plain.chat.completions.create(model="m", messages=[{"role": "user", "content": p.text}])
+    assert len(ours) == 1 + len(prompts) and len({port for port, _ in ours}) == len(ours), ours
+    assert {h for _, h in ours} == {"close"}
+    assert len({port for port, _ in seen}) == 1 and len(seen) == len(prompts)

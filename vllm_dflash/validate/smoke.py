@@ -116,6 +116,10 @@ def run_prompts(base_url: str, profile: Profile, prompts: Sequence[Prompt], show
         api_key=os.environ.get("VLLM_API_KEY", "EMPTY"),
         max_retries=0,
         timeout=max(600.0, profile.max_tokens * 2.0),
+        # One connection per request: a pooled keep-alive connection that the server has just closed as idle fails
+        # the request before it reaches vLLM ("Connection error", seen once in a batched run), and a retry could
+        # count a request twice, so none is reused instead.
+        default_headers={"Connection": "close"},
     )
     check_model(client, profile.model_name, base_url)
     extra_body: dict[str, Any] = {"chat_template_kwargs": profile.template_kwargs}
