@@ -82,8 +82,10 @@ class Fake:
     after: str = GOOD
     version: str | None = None  # /version (None: 404)
     endless_metrics: bool = False  # /metrics streams without end
+    keep_alive: bool = False  # answer as HTTP/1.1: a connection stays open unless the client asks otherwise
     scrapes: int = 0
     paths: list[str] = field(default_factory=list)
+    connections: list[tuple[int, str | None]] = field(default_factory=list)  # (client port, Connection header)
 
 
 @pytest.fixture
@@ -91,10 +93,16 @@ def fake() -> Iterator[tuple[str, Fake]]:
     state = Fake()
 
     class Handler(BaseHTTPRequestHandler):
+        def setup(self) -> None:
+            super().setup()
+            if state.keep_alive:
+                self.protocol_version = "HTTP/1.1"
+
         def log_message(self, *args: object) -> None:
             pass
 
         def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+            state.connections.append((self.client_address[1], self.headers.get("Connection")))
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
@@ -768,7 +776,7 @@ def test_publish_report_that_is_no_regular_file_is_refused(root: Path, tmp_path:
     publish_refused(root, index, wheel, "--report", tmp_path, words="not a regular file")
 
 
-def test_each_request_gets_its_own_connection(manifest: Any) -> None:
+def test_each_request_gets_its_own_connection(manifest: Any, fake: tuple[str, Fake]) -> None:
     """No pooled keep-alive connection is reused (one the server has just closed as idle fails a request before it
     reaches vLLM, and we never retry: a retry could count a request twice). Control: the same server sees a plain
     OpenAI client reuse one connection for all of them."""
@@ -779,51 +787,17 @@ def test_each_request_gets_its_own_connection(manifest: Any) -> None:
     from vllm_dflash.validate.promptsets import Prompt
     from vllm_dflash.validate.smoke import run_prompts
 
-    seen: list[tuple[int, str | None]] = []
-
-    class Api(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive unless the client asks otherwise
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def _reply(self, doc: dict[str, Any]) -> None:
-            seen.append((self.client_address[1], self.headers.get("Connection")))
-            body = json.dumps(doc).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self) -> None:
-            self._reply({"object": "list", "data": [{"id": "m", "object": "model", "created": 0, "owned_by": "t"}]})
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers["Content-Length"]))
-            message = {"role": "assistant", "content": "ok"}
-            choice = {"index": 0, "message": message, "finish_reason": "stop"}
-            usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-            self._reply(
-                {
-                    "id": "c",
-                    "object": "chat.completion",
-                    "created": 0,
-                    "model": "m",
-                    "choices": [choice],
-                    "usage": usage,
-                }
-            )
-
-    profile = replace(manifest.profiles["mini-cpu-serving"], served_model_name="m", concurrency=2)
+    url, state = fake
+    state.keep_alive = True
+    profile = replace(manifest.profiles["mini-cpu-serving"], served_model_name="tiny", concurrency=2)
     prompts = [Prompt(id=f"p{i}", category="t", text="hello") for i in range(4)]
-    with http_server(Api) as url:
-        run_prompts(url, profile, prompts, show_progress=False)
-        ours = list(seen)
-        seen.clear()
-        plain = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        for p in prompts:
-            plain.chat.completions.create(model="m", messages=[{"role": "user", "content": p.text}])
+    run_prompts(url, profile, prompts, show_progress=False)
+    ours = list(state.connections)
+    state.connections.clear()
+    plain = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    for p in prompts:
+        plain.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p.text}])
+    seen = state.connections
     assert len(ours) == 1 + len(prompts) and len({port for port, _ in ours}) == len(ours), ours
     assert {h for _, h in ours} == {"close"}
     assert len({port for port, _ in seen}) == 1 and len(seen) == len(prompts)
