@@ -18,8 +18,13 @@ same cache. Prints both wall times.
 with the in-process worker (`uni`, UniProcExecutor; `uni-1t`, the same with one OpenMP thread) and with vLLM's engine
 and worker processes (`mp`, OMP threads bound), and prints vLLM init and generate seconds per case side by side.
 
---bf16-drift: the reference drafter run in bf16 against itself in fp32 on the bf16 case (the measurement behind the
-CPU bf16 tolerance, runnable on any CPU).
+--bf16-drift: the reference drafter run in bf16 against itself in fp32 on the bf16 case (runnable on any CPU).
+
+--bf16-vllm N: vLLM's own bf16 run on this CPU (it needs avx512_bf16), the measurement behind cases.CPU_BF16_TOLERANCE:
+the bf16 case with N seeds, both builds, through the conformance run; prints per seed how far vLLM's bf16 drafter
+logits are from the fp32 oracle of the same semantics (the patched build vs the oracle, stock vs the stock-semantics
+oracle: two measurements of the same rounding), the most any entry gained on the top one (what can flip a top-2 gap),
+how far the negative controls are, the generated tokens' largest fp32 deficit, and the tolerance's margins.
 
 Never fails on time; exits with the run's status.
 """
@@ -163,6 +168,68 @@ def _bf16_drift() -> int:
     return 0
 
 
+def _bf16_vllm(seeds: int) -> int:
+    """vLLM bf16 vs the fp32 oracle over `seeds` variants of the bf16 case (see the module docstring)."""
+    import dataclasses
+
+    from vllm_dflash.conformance.compare import ConformanceOptions, run_conformance
+    from vllm_dflash.manifest import load_manifest
+    from vllm_dflash.series import read_queues
+
+    base = C.get_cases(["bf16"])[0]
+    if C.skip_reason(base, "cpu"):
+        print(f"cannot measure here: {C.skip_reason(base, 'cpu')}")
+        return 2
+    manifest = load_manifest(REPO)
+    queues = read_queues(manifest.series_path, manifest.cpu_series_path)
+    specs = tuple(dataclasses.replace(base, name=f"bf16-seed{base.seed + i}", seed=base.seed + i) for i in range(seeds))
+    print(f"+ conformance on {', '.join(s.name for s in specs)} (both builds)", flush=True)
+    result = run_conformance(
+        manifest,
+        queues,
+        ConformanceOptions(extra_cases=specs, report=REPO / "dist" / "bench-conformance-bf16.json"),
+    )
+    assert result.work_dir is not None
+    tol = C.CPU_BF16_TOLERANCE
+    rows = []
+    print(f"\n{'case':14s} {'build':7s} {'max|d|':>7s} {'flip':>6s} {'neg min':>7s} {'decided':>8s} {'deficit':>8s}")
+    for spec in specs:
+        for build, semantics in (("patched", None), ("stock", C.STOCK_MODEL)):
+            path = result.work_dir / build / f"{spec.name}.metrics.json"
+            if not path.is_file():
+                print(f"{spec.name:14s} {build:7s} (no metrics: see the run above)")
+                continue
+            m = json.loads(path.read_text())
+            same = m["variants"][semantics] if semantics else m["main"]
+            negs = [v["max_abs"] for n, v in m["variants"].items() if n != C.STOCK_MODEL and build == "patched"]
+            rows.append((build, same["max_abs"], same.get("max_flip", 0.0), min(negs, default=None)))
+            print(
+                f"{spec.name:14s} {build:7s} {same['max_abs']:7.3f} {same.get('max_flip', 0.0):6.3f} "
+                f"{min(negs) if negs else float('nan'):7.3f} {m['main']['argmax_total']:4d}/{m['positions']:<3d} "
+                f"{m.get('lossless_max_deficit', 0.0):8.3f}"
+            )
+    patched = [r for r in rows if r[0] == "patched"]
+    drift, flip = max(r[1] for r in patched), max(r[2] for r in patched)
+    neg = min(r[3] for r in patched if r[3] is not None)
+    stock = [r[1] for r in rows if r[0] == "stock"]
+    deficit = max(
+        json.loads(p.read_text()).get("lossless_max_deficit", 0.0) for p in result.work_dir.glob("*/*.metrics.json")
+    )
+    print(
+        f"\npatched vLLM bf16 vs the fp32 oracle, {len(patched)} seeds: max |dlogit| {drift:.3f}, largest flip "
+        f"{flip:.3f}, negative controls >= {neg:.3f}; generated tokens' fp32 deficit <= {deficit:.3f} (both builds); "
+        f"stock vs an oracle of its own semantics: max |dlogit| {min(stock, default=0):.3f}-{max(stock, default=0):.3f}"
+    )
+    print(
+        f"tolerance: max |dlogit| {tol.max_abs_logit:g} = {tol.max_abs_logit / drift:.2f}x the drift; negative_min "
+        f"{tol.negative_min:g} = {neg / tol.negative_min:.2f}x below the nearest control; argmax compared where "
+        f"the gap > {tol.tie_margin:g}{' and > 2x the position own max |dlogit|' if tol.decide_by_drift else ''} "
+        f"(largest flip {flip:.3f}), on >= {tol.min_argmax_positions} positions; lossless margin "
+        f"{tol.lossless_margin:g} = {tol.lossless_margin / max(deficit, 1e-9):.2f}x the largest deficit"
+    )
+    return result.exit_code
+
+
 def _cold(extra: list[str], report: Path) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-conformance-cold.", dir="/var/tmp") as td:
         env = {**os.environ, "VLLM_DFLASH_CACHE": str(Path(td) / "cache"), "PIP_CACHE_DIR": str(Path(td) / "pip")}
@@ -182,9 +249,12 @@ def main() -> int:
     ap.add_argument("--old-vs-new", action="store_true", help="also time a warm run of the old cases alone")
     ap.add_argument("--executors", action="store_true", help="compare the uni and mp CPU executors")
     ap.add_argument("--bf16-drift", action="store_true", help="measure the reference drafter's bf16 vs fp32 drift")
+    ap.add_argument("--bf16-vllm", type=int, metavar="N", help="measure vLLM's own bf16 run on N seeds of the case")
     args, extra = ap.parse_known_args()
     if args.bf16_drift:
         return _bf16_drift()
+    if args.bf16_vllm:
+        return _bf16_vllm(args.bf16_vllm)
     if args.executors:
         cases = extra[extra.index("--cases") + 1 :] if "--cases" in extra else ["mixed", "batched"]
         return _executors(cases)

@@ -397,7 +397,16 @@ def test_ctrl_c_before_the_first_stage_is_one_line(co: Checkout, cpu: float) -> 
     cmd = [sys.executable, "-m", "vllm_dflash", "--root", str(co.root), "build", "--source", "sdist"]
     index = f"http://127.0.0.1:{hang.getsockname()[1]}/simple"
     env = {**os.environ, "VLLM_DFLASH_CACHE": str(co.cache), "VLLM_DFLASH_INDEX_URL": index}
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT back to its default in the child: a background job (`.ci/run &`) inherits it ignored, and the command
+    # rightly keeps it ignored once its imports are done, so the signal would never arrive.
+    p = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 10  # blocked on the silent index, it uses no CPU: signal it there then
         while p.poll() is None and _cpu_seconds(p.pid) < cpu and time.monotonic() < deadline:

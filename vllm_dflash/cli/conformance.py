@@ -8,13 +8,15 @@ from typing import Any
 
 from vllm_dflash.cli.common import checkout
 from vllm_dflash.conformance.cases import CASE_NAMES
-from vllm_dflash.conformance.compare import FAILED_EXIT, ConformanceOptions, render, run_conformance
+from vllm_dflash.conformance.compare import UNPROVEN_EXIT, ConformanceOptions, render, run_conformance
 from vllm_dflash.errors import ConformanceError
 
 _EPILOG = f"""\
 cases: {", ".join(CASE_NAMES)}.
 Exit status: 0 when the patched build passes every case, every negative-control oracle disagrees with it and stock
-0.20.1 fails every case it must fail; 1 when any of that does not hold; 13 when an environment cannot be built.
+0.20.1 fails every case it must fail; 1 when any of that does not hold; {UNPROVEN_EXIT} when everything that ran holds
+but a case could not run on this machine (bf16 needs a CPU with avx512_bf16): those rows say "unproven", never
+passed; 13 when an environment cannot be built.
 --device cuda (GPU nodes) compares bf16 logits with looser tolerances; the oracle always runs fp32 on CPU.
 """
 
@@ -54,4 +56,4 @@ def run(args: argparse.Namespace) -> int:
     )
     result = run_conformance(co.manifest, co.queues, options)
     render(result)
-    return 0 if result.ok else FAILED_EXIT
+    return result.exit_code

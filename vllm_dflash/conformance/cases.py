@@ -416,12 +416,15 @@ CASES: tuple[CaseSpec, ...] = (
     ),
     CaseSpec(
         name="bf16",
-        summary="bfloat16 vLLM (avx512_bf16 CPUs) vs the fp32 oracle: argmax agreement, max |dlogit|, lossless rate",
+        summary="bfloat16 vLLM (avx512_bf16 CPUs) vs the fp32 oracle: max |dlogit|, argmax where decided, every token",
         layer_types=_MIXED,
         target_layer_ids=(0, 1, 2),
         sliding_window=WINDOW,
         negatives=(NEG_FULL_ATTN,),
         seed=11,
+        # Four prompts: a pass must compare the argmax at CPU_BF16_TOLERANCE.min_argmax_positions or more, and
+        # bf16 rounding leaves about a quarter of them decided.
+        prompt_lengths=(37, 45, 53, 61),
         dtype="bfloat16",
         requires_cpu_flag="avx512_bf16",
     ),
@@ -494,7 +497,8 @@ def get_cases(names: tuple[str, ...] | list[str] | None = None) -> tuple[CaseSpe
 
 @dataclass(frozen=True)
 class Tolerance:
-    """How close the vLLM drafter's logits must be to the oracle's, per device."""
+    """How close the vLLM drafter's logits must be to the oracle's, per device and dtype, and how much a pass must
+    have compared (a check over nothing is no check)."""
 
     device: str
     dtype: str
@@ -503,6 +507,14 @@ class Tolerance:
     tie_margin: float
     negative_min: float  # a negative-control oracle "disagrees" when max |Δlogit| exceeds this
     exact_lossless: bool  # generated ids must equal the oracle target's greedy ids exactly
+    # Not exact: every generated token must be within this of the fp32 target's best logit at its position, given
+    # the tokens before it (the target's own low-precision drift can pick a token a near-tie away, no further).
+    lossless_margin: float = 0.0
+    # Low precision: a position is decided only where the top-2 gap also exceeds twice that position's own max
+    # |Δlogit| (no rounding that large happened there, so it cannot have flipped the argmax).
+    decide_by_drift: bool = False
+    min_argmax_positions: int = 1  # a pass compared the argmax at no fewer positions (zero-lm-head has none)
+    min_lossless_requests: int = 1  # ... and the output of no fewer requests
 
 
 TOLERANCES: dict[str, Tolerance] = {
@@ -510,11 +522,18 @@ TOLERANCES: dict[str, Tolerance] = {
     "cpu": Tolerance(
         device="cpu", dtype="float32", max_abs_logit=1e-4, tie_margin=0.0, negative_min=1e-2, exact_lossless=True
     ),
-    # bf16 on GPU (users' GPU CI): bf16 keeps ~3 significant digits; tiny-model logits are O(1), so 5e-2 leaves
-    # room for rounding while staying well below the >1 differences the negative controls produce. Greedy
-    # continuations may legitimately diverge at near-ties under bf16, so lossless is compared up to the first tie.
+    # bf16 on GPU (users' GPU CI; not measured here -- no GPU): bf16 keeps ~3 significant digits; tiny-model logits
+    # are O(1), so 5e-2 leaves room for rounding while staying well below the >1 differences the negative controls
+    # produce. A generated token may be a near-tie (0.1) away from the fp32 greedy one.
     "cuda": Tolerance(
-        device="cuda", dtype="bfloat16", max_abs_logit=5e-2, tie_margin=1e-1, negative_min=2.5e-1, exact_lossless=False
+        device="cuda",
+        dtype="bfloat16",
+        max_abs_logit=5e-2,
+        tie_margin=1e-1,
+        negative_min=2.5e-1,
+        exact_lossless=False,
+        lossless_margin=1e-1,
+        min_argmax_positions=16,
     ),
 }
 
@@ -572,15 +591,25 @@ def tolerance_for(spec: CaseSpec, device: str) -> Tolerance:
     return TOLERANCES[device]
 
 
-# bf16 vLLM on CPU vs the fp32 oracle, from measurement: the reference drafter itself run in bf16 instead of fp32 on
-# the bf16 case (oracle.bf16_drift; `benchmarks/bench_conformance.py --bf16-drift`) moves its logits by up to 0.25
-# (argmax equal at 137/144 positions, 112/113 where the fp32 top-2 gap exceeds 0.1; the bf16 target's own greedy output
-# differs from fp32's on 2/2 prompts). So: max |dlogit| <= 0.5 (2x the drift of the computation itself); argmax must
-# agree where the gap exceeds 1.0 (a logit moving <= 0.5 cannot flip a gap above 2 x 0.5); the negative control
-# (full attention, 5.8-6.5 away in fp32) must be > 2.0 off; lossless is compared up to the first fp32 near-tie, and
-# the exact rate is reported. Not run here: this CPU has no avx512_bf16.
+# bf16 vLLM on CPU vs the fp32 oracle, derived from vLLM's own bf16 run on a CPU with avx512_bf16
+# (`python benchmarks/bench_conformance.py --bf16-vllm 6`: the bf16 case on 6 seeds, both builds). Measured
+# 2026-12-01 on a 2-core Xeon with avx512_bf16 and amx_bf16: the patched drafter is 0.43-0.64 from the fp32 oracle in
+# max |dlogit| (0.345 on another such CPU), the negative control (full attention) 6.6-7.0, stock 0.93-1.40 from an
+# oracle of its own semantics (and 6.4-8.2 from ours), and no generated token's fp32 logit is more than 0.091 below
+# the best at its position. So: max |dlogit| <= 1.5 (2.4x the drift); a negative control disagrees above 3.0 (2.2x
+# below the nearest); every generated token within 0.3 of the fp32 target's best logit (3.3x the largest deficit);
+# argmax compared where the top-2 gap exceeds twice the rounding seen at that very position (92-113 of 288
+# positions; with max |dlogit| in bounds that checks that vLLM proposed the argmax of what it computed), on >= 32.
 CPU_BF16_TOLERANCE = Tolerance(
-    device="cpu", dtype="bfloat16", max_abs_logit=0.5, tie_margin=1.0, negative_min=2.0, exact_lossless=False
+    device="cpu",
+    dtype="bfloat16",
+    max_abs_logit=1.5,
+    tie_margin=0.0,
+    negative_min=3.0,
+    exact_lossless=False,
+    lossless_margin=0.3,
+    decide_by_drift=True,
+    min_argmax_positions=32,
 )
 
 
