@@ -16,11 +16,15 @@ from vllm_dflash.errors import CheckpointError, ManifestError
 from vllm_dflash.paths import write_text_atomic
 
 _EPILOG = """\
-Exit status (one per verdict class): 0 served as trained (this build and stock 0.20.1); 20 served as trained by
-this build, stock 0.20.1 mis-serves it; 21 refused by this build (the line it would print at start-up); 22 not a
-drafter vLLM 0.20.1 can run (DFlash2, learnt mask embedding, attention sinks, ...); 18 the checkpoint cannot be
-read, or its taps lie outside the --target's layers. --prove: 1 when the conformance run does not come out as
-the doctor predicts, 13 when its environments cannot be built.
+Exit status (one per verdict class; the printed verdict and --json carry it): 0 served as trained (this build and
+stock 0.20.1); 20 served as trained by this build, stock 0.20.1 mis-serves it; 21 refused by this build (the line
+it would print at start-up, or transformers' reason when the config cannot load); 22 not a drafter vLLM 0.20.1 can
+run (a field it ignores changes the computation: DFlash2, a learnt mask embedding, attention sinks, ...); 23 served
+as this build reads it, but the config carries fields no build we know reads; 24 not a DFlash drafter (a target
+model, EAGLE, Medusa, MTP); 18 the checkpoint cannot be read, or the target layers it reads lie outside --target's
+layers (only --target decides this; the drafter's own num_target_layers is a note). --prove: 1 when the served
+twin does not do what the doctor claims (each claim is named), 19 when a case cannot run on this machine, 13 when
+its environments cannot be built.
 """
 
 
@@ -91,13 +95,17 @@ def run(args: argparse.Namespace) -> int:
     if d.mismatch:
         raise CheckpointError(f"this drafter does not fit this target: {d.mismatch}", "pair it with its own target")
     if args.prove:
-        from vllm_dflash.cli.common import checkout
-        from vllm_dflash.doctor.prove import prove, render_prove
-
-        co = checkout(args)
-        sys.stdout.flush()
-        result = prove(co.manifest, co.queues, ck, d)
-        render_prove(result)
-        if not result.ok:
-            return 1
+        return _prove(args, ck, d)
     return d.exit_code
+
+
+def _prove(args: argparse.Namespace, ck: Any, d: D.Diagnosis) -> int:
+    """--prove: the twin through conformance; the diagnosis's exit code when every claim held."""
+    from vllm_dflash.cli.common import checkout
+    from vllm_dflash.doctor.prove import prove, render_prove
+
+    co = checkout(args)
+    sys.stdout.flush()
+    result = prove(co.manifest, co.queues, ck, d)
+    render_prove(result)
+    return d.exit_code if result.ok else result.exit_code

@@ -74,25 +74,20 @@ def undetermined(entry: Entry, d: D.Diagnosis) -> bool:
 def _stock_cell(d: D.Diagnosis) -> str:
     if d.verdict_class == D.NOT_RUNNABLE:
         return "cannot run it: " + d.not_runnable[0]
-    if d.verdict_class == D.REFUSED:
-        return "starts (reads none of the fields this build refuses)"
+    if d.verdict_class in (D.REFUSED, D.NOT_DFLASH, D.MISFIT):
+        return "-"
     if not d.stock_wrong:
         return "served as trained"
-    parts = []
-    if "taps" in d.stock_wrong:
-        parts.append(f"taps one layer early ({len(d.stock_wrong['taps'])})")
-    if "windows" in d.stock_wrong:
-        parts.append("full attention on sliding layers " + ",".join(map(str, d.stock_wrong["windows"])))
-    if "causality" in d.stock_wrong:
-        parts.append("non-causal layers " + ",".join(map(str, d.stock_wrong["causality"])))
-    return "mis-serves: " + "; ".join(parts)
+    return "mis-serves: " + "; ".join(d.stock_words)
 
 
 def _ours_cell(d: D.Diagnosis) -> str:
     if d.verdict_class == D.NOT_RUNNABLE:
         return "cannot run it (0.20.1 base): " + "; ".join(d.not_runnable)
-    if d.verdict_class == D.REFUSED:
-        return "refuses: " + d.verdict.split(": ", 1)[1]
+    if d.verdict_class in (D.REFUSED, D.NOT_DFLASH, D.MISFIT):
+        return d.verdict
+    if d.verdict_class == D.UNREAD:
+        return "served as it reads it (fields read by no build we know: " + ", ".join(d.unknown_fields) + ")"
     return "served as trained"
 
 
