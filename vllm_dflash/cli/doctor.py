@@ -11,7 +11,8 @@ from typing import Any
 from vllm_dflash.cli.common import manifest
 from vllm_dflash.doctor import diagnose as D
 from vllm_dflash.doctor import ours
-from vllm_dflash.doctor.checkpoint import read_checkpoint, read_target
+from vllm_dflash.doctor import table
+from vllm_dflash.doctor.checkpoint import Checkpoint, read_checkpoint, read_json, read_target
 from vllm_dflash.errors import CheckpointError, ManifestError
 from vllm_dflash.paths import write_text_atomic
 
@@ -71,6 +72,28 @@ def our_code(args: argparse.Namespace) -> ours.OurCode:
         return ours.from_model_file(installed)
 
 
+def diagnosis(args: argparse.Namespace, code: ours.OurCode) -> tuple[Checkpoint, D.Diagnosis]:
+    """The checkpoint PATH names and its diagnosis (against --target when given). A shipped table entry is read as
+    the table reads it: its verdict only when every completion of what no public source gives agrees."""
+    target = read_target(args.target) if args.target is not None else None
+    layers, source, archs = (target.layers, target.source, target.architectures) if target else (None, "", ())
+    if args.path.is_file() and table.is_entry(read_json(args.path, "drafter")):
+        entry = table.load_entry(args.path)
+        pairs = [(ck, D.diagnose(ck, code, layers or entry.target_layers, source, archs)) for _, ck in table.completions(entry)]
+        classes = sorted({d.verdict_class for _, d in pairs})
+        if len(classes) > 1:
+            fields = table.depends_on(entry, code, lambda d: d.verdict_class)
+            raise CheckpointError(
+                f"{args.path}: the verdict depends on {', '.join(fields)}, which no public source gives "
+                f"({' / '.join(classes)})",
+                "pass the checkpoint's own config.json",
+            )
+        print(f"table entry {entry.name}: {len(pairs)} completion(s) of what no public source gives, one verdict")
+        return pairs[0]
+    ck = read_checkpoint(args.path)
+    return ck, D.diagnose(ck, code, layers, source, archs)
+
+
 def run(args: argparse.Namespace) -> int:
     code = our_code(args)
     if args.table:
@@ -80,15 +103,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.path is None:
         raise CheckpointError("no checkpoint given", "pass the drafter's config.json or directory (or --table)")
-    ck = read_checkpoint(args.path)
-    target = read_target(args.target) if args.target is not None else None
-    d = D.diagnose(
-        ck,
-        code,
-        target.layers if target else None,
-        target.source if target else "",
-        target.architectures if target else (),
-    )
+    ck, d = diagnosis(args, code)
     print(D.render_text(d))
     if args.json is not None:
         write_text_atomic(args.json, d.to_json() + "\n")
@@ -99,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     return d.exit_code
 
 
-def _prove(args: argparse.Namespace, ck: Any, d: D.Diagnosis) -> int:
+def _prove(args: argparse.Namespace, ck: Checkpoint, d: D.Diagnosis) -> int:
     """--prove: the twin through conformance; the diagnosis's exit code when every claim held."""
     from vllm_dflash.cli.common import checkout
     from vllm_dflash.doctor.prove import prove, render_prove

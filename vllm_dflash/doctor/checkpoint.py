@@ -131,16 +131,6 @@ def read_checkpoint(path: Path) -> Checkpoint:
     d = resolve_dir(path)
     config_path = path if path.is_file() else d / CONFIG
     raw = read_json(config_path, "drafter")
-    if {"name", "config", "sources"} <= set(raw) and isinstance(raw["config"], dict):
-        # An entry of the shipped table (doctor/checkpoints/): the config it reconstructs, with what the entry says
-        # no public source gives (so the verdict is the table's, not that of a config missing those fields).
-        return Checkpoint(
-            name=str(path),
-            config=raw["config"],
-            files=tuple(str(f) for f in raw.get("files") or ()),
-            sources=dict(raw.get("sources") or {}),
-            unknown=tuple(str(u) for u in raw.get("unknown") or ()),
-        )
     files = tuple(sorted(p.name for p in d.iterdir() if p.is_file() or p.is_symlink())) if path.is_dir() else ()
     return Checkpoint(
         name=str(path),
