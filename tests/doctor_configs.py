@@ -208,7 +208,9 @@ def target_configs() -> st.SearchStrategy[dict[str, Any]]:
     arch = st.sampled_from([["Qwen3ForCausalLM"], ["Qwen3_5ForConditionalGeneration"], ["NemotronHForCausalLM"], []])
     return st.one_of(
         st.fixed_dictionaries({"architectures": arch, "num_hidden_layers": layers}),
-        st.fixed_dictionaries({"architectures": arch, "text_config": st.fixed_dictionaries({"num_hidden_layers": layers})}),
+        st.fixed_dictionaries(
+            {"architectures": arch, "text_config": st.fixed_dictionaries({"num_hidden_layers": layers})}
+        ),
         st.fixed_dictionaries({"text_config": st.sampled_from(["x", None, [1]])}),
     )
 

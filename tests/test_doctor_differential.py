@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from doctor_configs import drafter_configs, input_classes, target_configs
 from hypothesis import HealthCheck, given, settings
 
-from doctor_configs import drafter_configs, input_classes, target_configs
 from vllm_dflash import proc
 from vllm_dflash.doctor import checkpoint, ours, rules
 from vllm_dflash.doctor import diagnose as D
@@ -150,7 +150,13 @@ def run_sides(manifest: Manifest, configs: list[dict[str, Any]], work: Path) -> 
     for build, (python, env, script, extra) in jobs.items():
         dest = work / f"{build.split()[0]}.json"
         job = {"configs": str(work / "configs.json"), "out": str(dest), **extra}
-        proc.call(python, SIDES / script, json.dumps(job), env={**env, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}, quiet=True)
+        proc.call(
+            python,
+            SIDES / script,
+            json.dumps(job),
+            env={**env, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"},
+            quiet=True,
+        )
         out[build] = json.loads(dest.read_text())
     return out
 
@@ -199,7 +205,8 @@ def test_every_column_is_what_its_code_does(manifest: Manifest, tmp_path: Path) 
     classes = Counter(c for raw in unique for c in input_classes(raw))
     print(
         f"differential: {len(configs)} configs generated ({len(unique)} distinct), {columns} columns compared "
-        f"({len(rules.BUILDS)} systems; layers compared on " + ", ".join(f"{b} {layered[b]}" for b in rules.BUILDS)
+        f"({len(rules.BUILDS)} systems; layers compared on "
+        + ", ".join(f"{b} {layered[b]}" for b in rules.BUILDS)
         + f"), {len(disagreements)} disagreements, 0 exceptions; "
         f"{len(classes)} input classes: " + ", ".join(f"{k} {v}" for k, v in sorted(classes.items()))
     )

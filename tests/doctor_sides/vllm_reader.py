@@ -198,7 +198,9 @@ def upstream(configs: list[dict[str, Any]], sources: Path) -> list[dict[str, Any
     model = sources / "vllm/model_executor/models/qwen3_dflash.py"
     code = [
         *_functions(model, ("_SLIDING_ATTENTION", "_dflash_layer_causal", "_resolve_layer_attention")),
-        *_functions(sources / "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py", ("get_eagle3_aux_layers_from_config",)),
+        *_functions(
+            sources / "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py", ("get_eagle3_aux_layers_from_config",)
+        ),
         *_functions(sources / "vllm/transformers_utils/configs/speculators/algos.py", ("update_dflash",)),
     ]
     exec(compile(ast.Module(body=code, type_ignores=[]), "vllm-0.33.0", "exec"), ns)

@@ -10,8 +10,7 @@ from typing import Any
 
 from vllm_dflash.cli.common import manifest
 from vllm_dflash.doctor import diagnose as D
-from vllm_dflash.doctor import ours
-from vllm_dflash.doctor import table
+from vllm_dflash.doctor import ours, table
 from vllm_dflash.doctor.checkpoint import Checkpoint, read_checkpoint, read_json, read_target
 from vllm_dflash.errors import CheckpointError, ManifestError
 from vllm_dflash.paths import write_text_atomic
@@ -79,7 +78,10 @@ def diagnosis(args: argparse.Namespace, code: ours.OurCode) -> tuple[Checkpoint,
     layers, source, archs = (target.layers, target.source, target.architectures) if target else (None, "", ())
     if args.path.is_file() and table.is_entry(read_json(args.path, "drafter")):
         entry = table.load_entry(args.path)
-        pairs = [(ck, D.diagnose(ck, code, layers or entry.target_layers, source, archs)) for _, ck in table.completions(entry)]
+        pairs = [
+            (ck, D.diagnose(ck, code, layers or entry.target_layers, source, archs))
+            for _, ck in table.completions(entry)
+        ]
         classes = sorted({d.verdict_class for _, d in pairs})
         if len(classes) > 1:
             fields = table.depends_on(entry, code, lambda d: d.verdict_class)
@@ -110,17 +112,18 @@ def run(args: argparse.Namespace) -> int:
     if d.mismatch:
         raise CheckpointError(f"this drafter does not fit this target: {d.mismatch}", "pair it with its own target")
     if args.prove:
-        return _prove(args, ck, d)
+        return _prove(args, code, ck, d)
     return d.exit_code
 
 
-def _prove(args: argparse.Namespace, ck: Checkpoint, d: D.Diagnosis) -> int:
-    """--prove: the twin through conformance; the diagnosis's exit code when every claim held."""
+def _prove(args: argparse.Namespace, code: ours.OurCode, ck: Checkpoint, d: D.Diagnosis) -> int:
+    """--prove: the twin through conformance; the diagnosis's exit code when every claim held, else 1 (each claim
+    named), 19 when a case cannot run on this machine."""
     from vllm_dflash.cli.common import checkout
     from vllm_dflash.doctor.prove import prove, render_prove
 
     co = checkout(args)
     sys.stdout.flush()
-    result = prove(co.manifest, co.queues, ck, d)
+    result = prove(co.manifest, co.queues, ck, d, code)
     render_prove(result)
     return d.exit_code if result.ok else result.exit_code

@@ -19,7 +19,7 @@ from typing import Any
 from vllm_dflash.doctor import fields as F
 from vllm_dflash.doctor import rules
 from vllm_dflash.doctor.checkpoint import Checkpoint
-from vllm_dflash.doctor.loading import OURS, REFERENCE, SLIDING, STOCK, UPSTREAM
+from vllm_dflash.doctor.loading import OURS, REFERENCE, STOCK, UPSTREAM
 from vllm_dflash.doctor.ours import OurCode
 
 # Verdict classes and their exit codes (README, "Check a drafter before you deploy"). 0 and 20 both mean: this build
@@ -156,9 +156,13 @@ def _dflash_ids(raw: Mapping[str, Any], ours: rules.Reading) -> tuple[list[int] 
 
     if "speculators_model_type" in raw:
         aux = ints(raw.get("aux_hidden_state_layer_ids"))
-        return ([i - 1 for i in aux], "aux_hidden_state_layer_ids - 1 (speculators, vLLM's indexing)") if aux else (
-            None,
-            "absent",
+        return (
+            ([i - 1 for i in aux], "aux_hidden_state_layer_ids - 1 (speculators, vLLM's indexing)")
+            if aux
+            else (
+                None,
+                "absent",
+            )
         )
     aux = ints(raw.get("eagle_aux_hidden_state_layer_ids"))
     if aux:
@@ -244,15 +248,16 @@ def _stock_words(ours: rules.Reading, stock: rules.Reading, taps: Taps, wrong: d
     if "windows" in wrong:
         w = wrong["windows"]
         sizes = sorted({ours.layers[i].window or 0 for i in w})
+        many = len(w) > 1
         out.append(
-            f"drafter layer{'s' if len(w) > 1 else ''} {_span(w)} lose{'' if len(w) > 1 else 's'} {'their' if len(w) > 1 else 'its'} "
+            f"drafter layer{'s' if many else ''} {_span(w)} lose{'' if many else 's'} {'their' if many else 'its'} "
             f"sliding window: stock attends to the whole context instead of the last {'/'.join(map(str, sizes))} tokens"
         )
     if "causality" in wrong:
         c = wrong["causality"]
         out.append(
-            f"drafter layer{'s' if len(c) > 1 else ''} {_span(c)} also attend to the later positions of the drafted block "
-            "on stock (trained causal: earlier positions only)"
+            f"drafter layer{'s' if len(c) > 1 else ''} {_span(c)} also attend to the later positions of the drafted "
+            "block on stock (trained causal: earlier positions only)"
         )
     return out
 
@@ -305,7 +310,7 @@ def diagnose(
         klass, verdict = NOT_DFLASH, f"{NOT_DFLASH}: this is {kind}"
         advice.append("the doctor checks DFlash drafters (architectures DFlashDraftModel): pass one")
     elif ours.refusal is not None and ours.refusal.stage == "load":
-        every = all(readings[b].refusal is not None and readings[b].refusal.stage == "load" for b in (STOCK, UPSTREAM))
+        every = all(_refused_at_load(readings[b]) for b in (STOCK, UPSTREAM))
         who = "every vLLM build" if every else "this build"
         klass, verdict = REFUSED, f"{REFUSED}: {who} refuses to load the config: {ours.refusal.line}"
         advice.append("fix that field in the drafter's config.json (the reason names it), then run the doctor again")
@@ -390,6 +395,10 @@ def diagnose(
 UPSTREAM_NAME = "vLLM 0.33.0"
 
 
+def _refused_at_load(r: rules.Reading) -> bool:
+    return r.refusal is not None and r.refusal.stage == "load"
+
+
 def _windowed(r: rules.Reading) -> bool:
     return any(x.window is not None or x.causal for x in r.layers or ())
 
@@ -416,7 +425,9 @@ def render_text(d: Diagnosis) -> str:
     if len(table) > 1:
         widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
         out += ["  " + "  ".join(c.ljust(w) for c, w in zip(t, widths, strict=True)).rstrip() for t in table]
-    out.append(f"  sources: stock [{rules.SRC_STOCK_MODEL}; {rules.SRC_STOCK_PROPOSER}]; upstream [{rules.SRC_UPSTREAM}];")
+    out.append(
+        f"  sources: stock [{rules.SRC_STOCK_MODEL}; {rules.SRC_STOCK_PROPOSER}]; upstream [{rules.SRC_UPSTREAM}];"
+    )
     out.append(f"           reference [{rules.SRC_REFERENCE}]")
     for build, line in d.refusals.items():
         out.append(f"  {build}: does not serve it: {line}")

@@ -311,9 +311,7 @@ def _upstream_layers(cfg: Mapping[str, Any]) -> tuple[list[Layer], str]:
         num_sliding = sum(t == SLIDING for t in types)
         any_sliding = num_sliding > 0
         if 0 < num_sliding < len(types):
-            v1 = (
-                "NotImplementedError: DFlash drafters with mixed sliding/full attention require the V2 model runner"
-            )
+            v1 = "NotImplementedError: DFlash drafters with mixed sliding/full attention require the V2 model runner"
     out = []
     for i in range(cfg["num_hidden_layers"]):
         if types is None or (use_swa and not any_sliding):
@@ -334,7 +332,9 @@ def _upstream_layers(cfg: Mapping[str, Any]) -> tuple[list[Layer], str]:
                 )
         causal, causal_from = _upstream_causal(cfg, i)
         kind = SLIDING if window is not None else FULL
-        out.append(Layer(kind, window, causal, kind_from if sliding else f"{kind_from}: full", window_from, causal_from))
+        out.append(
+            Layer(kind, window, causal, kind_from if sliding else f"{kind_from}: full", window_from, causal_from)
+        )
     return out, v1
 
 
@@ -390,7 +390,8 @@ def reference(raw: Mapping[str, Any]) -> Reading:
     if got.error:
         return Reading(REFERENCE, None, Refusal(got.error, L.SRC_REFERENCE_LOAD), None, loaded=got)
     # The class a user builds: the one config.json's architectures names (the reference has no dispatcher).
-    archs = raw.get("architectures") if isinstance(raw.get("architectures"), list) else []
+    named = raw.get("architectures")
+    archs: list[Any] = named if isinstance(named, list) else []
     cls = next((a for a in archs if isinstance(a, str) and a in REFERENCE_CLASSES), "")
     if not cls:
         line = f"architecture {'/'.join(map(str, archs)) or '(none)'} is not a dflash model class"
@@ -417,8 +418,14 @@ def reference(raw: Mapping[str, Any]) -> Reading:
         ids = _reference_ids(got, cls)
     except (ValueError, TypeError, AttributeError) as exc:
         why = str(exc) if isinstance(exc, ValueError) else _err(exc)
-        return Reading(REFERENCE, None, Refusal(f"the reference cannot build this drafter: {why}", SRC_REFERENCE,
-                                                "model"), None, loaded=got, model=cls)
+        return Reading(
+            REFERENCE,
+            None,
+            Refusal(f"the reference cannot build this drafter: {why}", SRC_REFERENCE, "model"),
+            None,
+            loaded=got,
+            model=cls,
+        )
     return Reading(REFERENCE, tuple(layers), None, ids, SRC_REFERENCE_IDS, got, model=cls)
 
 

@@ -78,7 +78,9 @@ def load_entry(path: Path) -> Entry:
         sources=dict(data.get("sources") or {}),
         unknown=tuple(unknown),
     )
-    return Entry(path.stem, ck.name, str(data.get("target", "")), ck, data.get("target_layers"), dict(ck.sources), unknown)
+    return Entry(
+        path.stem, ck.name, str(data.get("target", "")), ck, data.get("target_layers"), dict(ck.sources), unknown
+    )
 
 
 def _set(config: dict[str, Any], dotted: str, value: Any) -> None:
@@ -99,7 +101,7 @@ def completions(entry: Entry) -> list[tuple[dict[str, Any], Checkpoint]]:
     for combo in itertools.product(*(entry.unknown[n].candidates for n in names)):
         config = json.loads(json.dumps(entry.checkpoint.config))
         for name, value in zip(names, combo, strict=True):
-            for key, v in (value.items() if name == "*" else [(name, value)]):  # "*": fields known together
+            for key, v in value.items() if name == "*" else [(name, value)]:  # "*": fields known together
                 _set(config, key, v)
         ck = Checkpoint(entry.name, config, entry.checkpoint.files, None, False, entry.sources)
         out.append((dict(zip(names, combo, strict=True)), ck))
@@ -177,7 +179,7 @@ def _upstream_cell(d: D.Diagnosis) -> str:
 
 
 def _cell(entry: Entry, code: OurCode, ds: list[D.Diagnosis], fn: Any) -> str:
-    values = list(dict.fromkeys(fn(d) for d in ds))
+    values: list[str] = list(dict.fromkeys(str(fn(d)) for d in ds))
     if len(values) == 1:
         return values[0]
     return f"depends on {', '.join(depends_on(entry, code, fn))}: " + " / ".join(values)
@@ -192,14 +194,18 @@ def _sources(e: Entry) -> str:
     for k, v in e.sources.items():
         by_source.setdefault(v, []).append(k)
     parts = [f"{', '.join(k for k in ks if k != '*') or 'all of it'}: {v}" for v, ks in by_source.items()]
-    parts += [f"{k} not public ({u.why}): each of {', '.join(json.dumps(c) for c in u.candidates)}" for k, u in e.unknown.items()]
+    parts += [
+        f"{k} not public ({u.why}): each of {', '.join(json.dumps(c) for c in u.candidates)}"
+        for k, u in e.unknown.items()
+    ]
     return "; ".join(parts)
 
 
 def render_table(code: OurCode, entries: list[Entry] | None = None) -> str:
     """The Markdown table (between TABLE_BEGIN and TABLE_END in the README)."""
     rows = [
-        "| checkpoint | stock 0.20.1 | this build | upstream 0.33 | verdict (exit) | sources (and what no source gives) |",
+        "| checkpoint | stock 0.20.1 | this build | upstream 0.33 | verdict (exit) "
+        "| sources (and what no source gives) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for e in entries if entries is not None else load_entries():
@@ -230,7 +236,8 @@ def unsourced(entry: Entry) -> list[str]:
             elif name not in entry.sources and not any(name.startswith(s + ".") for s in entry.sources):
                 out.append(name)
 
-    walk("", entry.checkpoint.config)
+    if "*" not in entry.sources:  # "*": one source quotes the whole config
+        walk("", entry.checkpoint.config)
     if entry.checkpoint.files and "files" not in entry.sources:
         out.append("files")
     return out
