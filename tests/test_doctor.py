@@ -158,7 +158,10 @@ def test_sliding_layers_from_max_window_layers_read_as_transformers_fills_them(c
     full everywhere (transformers drops the window, so it fills no sliding layer)."""
     d = diag(mwl(), code)
     assert mine(d) == [(F, None, False)] * 2 + [(S, 2048, True)] * 3
-    assert [r.kind_from for r in d.rows if r.build == "this build"] == [f"layer_types[{i}]" for i in range(5)]
+    assert [r.kind_from for r in d.rows if r.build == "this build"] == [
+        f"layer_types[{i}], filled by transformers" for i in range(5)
+    ]  # attributed as config.json has it: nothing declared there
+    assert "declared" not in " ".join(r.causal_from for r in d.rows)
     assert mine(d, "reference 0.1.0") == [(F, None, False)] * 2 + [(S, 2048, True)] * 3
     assert mine(d, "upstream 0.33") == [(F, None, False)] * 2 + [(S, 2048, True)] * 3
     assert "V2 runner only" in d.upstream_runner

@@ -107,11 +107,32 @@ class Diagnosis:
         return json.dumps({**asdict(self), "exit_code": self.exit_code}, indent=1)
 
 
-def _rows(build: str, layers: tuple[rules.Layer, ...]) -> list[LayerRow]:
+def _rows(build: str, layers: tuple[rules.Layer, ...], raw: Mapping[str, Any]) -> list[LayerRow]:
     return [
-        LayerRow(i, build, x.kind, x.kind_from, x.window, x.window_from, x.causal, x.causal_from, x.backend_window)
+        LayerRow(
+            i,
+            build,
+            x.kind,
+            _attributed(x.kind_from, raw),
+            x.window,
+            x.window_from,
+            x.causal,
+            _attributed(x.causal_from, raw),
+            x.backend_window,
+        )
         for i, x in enumerate(layers)
     ]
+
+
+def _attributed(source: str, raw: Mapping[str, Any]) -> str:
+    """A field the code names as its source, said as config.json has it: without layer_types in the file, the kinds
+    it reads are the ones transformers filled in (from use_sliding_window and max_window_layers), none declared."""
+    layer = raw.get("transformer_layer_config") if "speculators_model_type" in raw else raw
+    if not isinstance(layer, Mapping) or layer.get("layer_types") is not None:
+        return source
+    if source.startswith("layer_types["):
+        return f"{source}, filled by transformers"
+    return source.replace("a declared ", "a ").replace("default for a ", "default for a transformers-filled ")
 
 
 _EAGLE = ("eagle",)
@@ -281,7 +302,7 @@ def diagnose(
         if r.refusal is not None:
             refusals[build] = f"{r.refusal.line} [{r.refusal.source}]"
         elif r.layers is not None:
-            rows += _rows(build, r.layers)
+            rows += _rows(build, r.layers, raw)
     up = readings[UPSTREAM]
     runner = up.runner if up.refusal is None else "refused"
     taps = _taps(raw, readings, target_layers, target_from)
@@ -429,6 +450,11 @@ def render_text(d: Diagnosis) -> str:
         f"  sources: stock [{rules.SRC_STOCK_MODEL}; {rules.SRC_STOCK_PROPOSER}]; upstream [{rules.SRC_UPSTREAM}];"
     )
     out.append(f"           reference [{rules.SRC_REFERENCE}]")
+    if any("filled by transformers" in r.kind_from for r in d.rows):
+        out.append(
+            "  layer_types is not in config.json: transformers fills it (sliding from index max_window_layers on "
+            "when use_sliding_window keeps a window, else full) before any build reads it"
+        )
     for build, line in d.refusals.items():
         out.append(f"  {build}: does not serve it: {line}")
     if UPSTREAM not in d.refusals and d.upstream_runner:

@@ -332,9 +332,7 @@ def _upstream_layers(cfg: Mapping[str, Any]) -> tuple[list[Layer], str]:
                 )
         causal, causal_from = _upstream_causal(cfg, i)
         kind = SLIDING if window is not None else FULL
-        out.append(
-            Layer(kind, window, causal, kind_from if sliding else f"{kind_from}: full", window_from, causal_from)
-        )
+        out.append(Layer(kind, window, causal, kind_from, window_from, causal_from))
     return out, v1
 
 
