@@ -107,18 +107,28 @@ def run(args: argparse.Namespace) -> int:
         raise CheckpointError("no checkpoint given", "pass the drafter's config.json or directory (or --table)")
     ck, d = diagnosis(args, code)
     print(D.render_text(d))
-    if args.json is not None:
-        write_text_atomic(args.json, d.to_json() + "\n")
     if d.mismatch:
+        _write_json(args, d)
         raise CheckpointError(f"this drafter does not fit this target: {d.mismatch}", "pair it with its own target")
-    if args.prove:
-        return _prove(args, code, ck, d)
-    return d.exit_code
+    if not args.prove:
+        _write_json(args, d)
+        return d.exit_code
+    exit_code, claims = _prove(args, code, ck, d)
+    _write_json(args, d, exit_code, prove=claims)
+    return exit_code
 
 
-def _prove(args: argparse.Namespace, code: ours.OurCode, ck: Checkpoint, d: D.Diagnosis) -> int:
-    """--prove: the twin through conformance; the diagnosis's exit code when every claim held, else 1 (each claim
-    named), 19 when a case cannot run on this machine."""
+def _write_json(args: argparse.Namespace, d: D.Diagnosis, exit_code: int | None = None, **extra: Any) -> None:
+    """--json: the diagnosis with the exit code the process ends with."""
+    if args.json is not None:
+        write_text_atomic(args.json, d.to_json(exit_code, **extra) + "\n")
+
+
+def _prove(
+    args: argparse.Namespace, code: ours.OurCode, ck: Checkpoint, d: D.Diagnosis
+) -> tuple[int, list[dict[str, Any]]]:
+    """--prove: the twin through conformance. The diagnosis's exit code when every claim held, else 1 (each claim
+    named), 19 when a case cannot run on this machine; and the claims, for --json."""
     from vllm_dflash.cli.common import checkout
     from vllm_dflash.doctor.prove import prove, render_prove
 
@@ -126,4 +136,5 @@ def _prove(args: argparse.Namespace, code: ours.OurCode, ck: Checkpoint, d: D.Di
     sys.stdout.flush()
     result = prove(co.manifest, co.queues, ck, d, code)
     render_prove(result)
-    return d.exit_code if result.ok else result.exit_code
+    claims = [{"claim": c.what, "holds": c.holds, "expected": c.expected, "got": c.got} for c in result.claims]
+    return (d.exit_code if result.ok else result.exit_code), claims

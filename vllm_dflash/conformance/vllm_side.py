@@ -343,7 +343,13 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
         llm_kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     if case.get("refusal"):
         return check_refusal(case_dir, out_path, llm_kwargs, case["refusal"])
-    with _captured_output() as startup:
+    startup: list[str] = []
+    if int(case.get("tensor_parallel_size", 1)) == 1:
+        # The start-up log, for this build's line per drafter layer. Not under tensor parallelism: worker processes
+        # started inside the capture would keep writing into it after it ends.
+        with _captured_output() as startup:
+            llm = LLM(**llm_kwargs)
+    else:
         llm = LLM(**llm_kwargs)
     attention_line = next((line for line in startup if ATTENTION_LINE in line), None)
     t_init = time.perf_counter() - t0

@@ -103,8 +103,10 @@ class Diagnosis:
         """A drafter/target mismatch (taps beyond --target's layers): no build can serve this pair."""
         return next((p for p in self.taps.problems if "outside" in p), "") if self.verdict_class == MISFIT else ""
 
-    def to_json(self) -> str:
-        return json.dumps({**asdict(self), "exit_code": self.exit_code}, indent=1)
+    def to_json(self, exit_code: int | None = None, **extra: Any) -> str:
+        """The document; `exit_code` when the process ends with another one (--prove), `extra` beside it."""
+        code = self.exit_code if exit_code is None else exit_code
+        return json.dumps({**asdict(self), **extra, "exit_code": code}, indent=1)
 
 
 def _rows(build: str, layers: tuple[rules.Layer, ...], raw: Mapping[str, Any]) -> list[LayerRow]:
