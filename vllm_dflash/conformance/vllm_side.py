@@ -146,10 +146,22 @@ def _spec_metrics(llm: Any) -> dict[str, Any]:
     return out
 
 
-def _read_records(path: Path) -> list[dict[str, Any]]:
+def _read_lines(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    """The recorder's proposal lines (its layout line, what the loaded drafter attends with, is read apart)."""
+    return [r for r in _read_lines(path) if "layout" not in r]
+
+
+def _read_layout(path: Path) -> dict[str, Any] | None:
+    return next((r["layout"] for r in _read_lines(path) if "layout" in r), None)
+
+
+ATTENTION_LINE = "DFlash drafter attention:"  # what this build logs per drafter layer at start-up (patch 0002)
 
 
 def prompt_sha(ids: list[int]) -> str:
@@ -331,7 +343,15 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
         llm_kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     if case.get("refusal"):
         return check_refusal(case_dir, out_path, llm_kwargs, case["refusal"])
-    llm = LLM(**llm_kwargs)
+    startup: list[str] = []
+    if int(case.get("tensor_parallel_size", 1)) == 1:
+        # The start-up log, for this build's line per drafter layer. Not under tensor parallelism: worker processes
+        # started inside the capture would keep writing into it after it ends.
+        with _captured_output() as startup:
+            llm = LLM(**llm_kwargs)
+    else:
+        llm = LLM(**llm_kwargs)
+    attention_line = next((line for line in startup if ATTENTION_LINE in line), None)
     t_init = time.perf_counter() - t0
     params = SamplingParams(
         temperature=0.0, max_tokens=int(case["max_tokens"]), ignore_eos=bool(case.get("ignore_eos", True))
@@ -402,6 +422,10 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
         "request_prompts": [r.prompt_index for r in requests],
         **metrics,
         "num_proposals_recorded": len(assigned),
+        # What the served drafter attends with: the start-up line (this build), and each layer's backend window and
+        # the target layers recorded for it, read from the loaded models (doctor --prove checks its claims on these).
+        "attention_line": attention_line[attention_line.index(ATTENTION_LINE) :] if attention_line else None,
+        "layout": _read_layout(record_file),
         "proposals_beyond_output": kinds["beyond-output"],
         "proposals_by_kind": kinds,
         "prefix_cache_hits_by_round": hits_after_round,

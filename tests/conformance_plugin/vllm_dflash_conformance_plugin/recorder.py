@@ -96,6 +96,34 @@ def _write(draft_ids: Any) -> None:
         f.write("".join(line + "\n" for line in lines))
 
 
+def _layout(runner: Any) -> dict[str, Any]:
+    """What the served drafter attends with, read from the loaded models: each drafter layer's backend window
+    (left, right) as its attention implementation holds it, and the target layers whose input the target records
+    for the drafter (vLLM's aux indices)."""
+    drafter = getattr(getattr(runner, "drafter", None), "model", None)
+    inner = getattr(drafter, "model", None)
+    windows = []
+    for layer in getattr(inner, "layers", []):
+        impl = getattr(getattr(getattr(layer, "self_attn", None), "attn", None), "impl", None)
+        window = getattr(impl, "sliding_window", None)
+        windows.append(list(window) if isinstance(window, (tuple, list)) else window)
+    target = getattr(runner, "model", None)
+    aux = getattr(getattr(target, "model", target), "aux_hidden_state_layers", None)
+    if aux is None and hasattr(target, "get_language_model"):
+        aux = getattr(getattr(target.get_language_model(), "model", None), "aux_hidden_state_layers", None)
+    return {"windows": windows, "aux_layers": None if aux is None else [int(a) for a in aux]}
+
+
+def _write_layout(runner: Any) -> None:
+    """One {"layout": ...} line per record file (per case), before its first proposal."""
+    path = os.environ.get(RECORD_FILE_VAR)
+    if not path or _state.get("layout_for") == path or _tp_rank() != 0:
+        return
+    _state["layout_for"] = path
+    with open(path, "a") as f:
+        f.write(json.dumps({"layout": _layout(runner)}) + "\n")
+
+
 def install() -> None:
     if not os.environ.get(RECORD_FILE_VAR):
         return
@@ -115,6 +143,7 @@ def install() -> None:
     @functools.wraps(orig_runner_propose)
     def runner_propose(self: Any, *args: Any, **kwargs: Any) -> Any:
         _state["runner"] = self  # the proposer keeps no reference to its runner: remember who called it
+        _write_layout(self)
         try:
             return orig_runner_propose(self, *args, **kwargs)
         finally:
