@@ -482,7 +482,7 @@ def test_make_release_refusals(
     other = make_report(checkout, "0" * 64, tmp_path / "other.json")
     with pytest.raises(VerifyError, match="which is none of the wheels"):
         make_release(load_manifest(checkout), wheels, tmp_path / "r2", ReleaseOptions(reports=(other,)))
-    failed = make_report(checkout, built["x86_64"].sha256, tmp_path / "failed.json", accepted=10.0)
+    failed = make_report(checkout, built["x86_64"].sha256, tmp_path / "failed.json", accepted=10)
     with pytest.raises(VerifyError, match="did not pass"):
         make_release(load_manifest(checkout), wheels, tmp_path / "r3", ReleaseOptions(reports=(failed,)))
     (tmp_path / "r4").mkdir()

@@ -34,6 +34,7 @@ from vllm_dflash.release import layout
 from vllm_dflash.release.verify import VerifyOptions, VerifyResult, verify
 from vllm_dflash.report import ValidationReport
 from vllm_dflash.simple_index import LocalIndex, copy_hashed, normalize, read_wheel_meta, real_dir
+from vllm_dflash.validate import verdict
 
 __all__ = ["normalize"]  # re-exported (the index's name rule lives in simple_index)
 
@@ -84,28 +85,24 @@ def check_gate(
     if report_path is None:
         raise PublishRefusedError(f"no validation report given for {artifact.name}", _REFUSE_HINT)
     rep = reports.load(report_path, reports.key_from_env(), PublishRefusedError, _REFUSE_HINT)
-    if rep.verdict != "pass":
+    profile = rep.profile_name
+    required = manifest.publish.required_profiles
+    if profile not in required:
         raise PublishRefusedError(
-            f"report {report_path} did not pass (verdict {rep.verdict}, {rep.why_not_passed()})", ""
+            f"report profile '{profile[:64]}' is not one the manifest requires for publishing {list(required)}",
+            "validate with a required profile",
         )
+    current = manifest.profiles[profile]
+    # k, the gates and their thresholds are the manifest's, and the verdict is the one the report's counters give.
+    judged = verdict.check(rep, manifest.profiles, PublishRefusedError, "validate again with the manifest's profile")
+    if judged.verdict != "pass":
+        failed = f"failed gates {list(judged.failed)}" if judged.failed else f"error: {rep.error}"
+        raise PublishRefusedError(f"report {report_path} did not pass (verdict {judged.verdict}, {failed})", "")
     if rep.artifact_sha256 != artifact.sha256:
         raise PublishRefusedError(
             f"report {report_path} is for another artifact ({rep.artifact_sha256 or 'none named'}), "
             f"not {artifact.name} ({artifact.sha256})",
             "validate this exact artifact (validate --wheel FILE or --image REF)",
-        )
-    profile = rep.profile_name
-    required = manifest.publish.required_profiles
-    if profile not in required:
-        raise PublishRefusedError(
-            f"report profile '{profile}' is not one the manifest requires for publishing {list(required)}",
-            "validate with a required profile",
-        )
-    current = manifest.profiles.get(profile)
-    if current is None or current.digest != rep.profile_sha256:
-        raise PublishRefusedError(
-            f"report was made with a different definition of profile '{profile}' than dist.toml now holds",
-            "validate again with the manifest's profile",
         )
     _check_prompts(rep, current, report_path)
     _check_binding(rep, report_path, accept_declared)
@@ -348,7 +345,9 @@ def publish_plan(
 
     `options` default: no signature required, reports checked with $VLLM_DFLASH_REPORT_KEY when set (as publish).
     """
-    result = verify(release_dir, options or VerifyOptions(report_key=reports.key_from_env()))
+    result = verify(
+        release_dir, options or VerifyOptions(report_key=reports.key_from_env(), profiles=manifest.profiles)
+    )
     if result.partial:
         raise PublishRefusedError(f"{release_dir} is one artifact, not a release directory", "pass the directory")
     wanted = tuple(platforms) if platforms is not None else tuple(sorted(manifest.wheels))
