@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 import tomlkit
-from conftest import write_wheel
+from conftest import provenance_bytes, write_wheel
 
+from vllm_dflash import provenance as prov
 from vllm_dflash.cli import main
 from vllm_dflash.errors import PublishRefusedError
 from vllm_dflash.fetch import sha256_file
@@ -72,8 +73,10 @@ ISOLATED_PIP = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
 
 
 def make_wheel(dest: Path, name: str = "gatedemo", version: str = "1.0.0", body: str = "VALUE = 1\n") -> Path:
-    """A minimal but complete wheel (METADATA, WHEEL, RECORD with hashes) that pip installs."""
-    return write_wheel(dest, name, version, {f"{name}/__init__.py": body.encode()})
+    """A minimal but complete wheel (METADATA, WHEEL, RECORD with hashes) that pip installs, carrying a provenance
+    document that names it (publish takes only our builds)."""
+    files = {f"{name}/__init__.py": body.encode(), prov.PATH: provenance_bytes(name, version)}
+    return write_wheel(dest, name, version, files)
 
 
 @pytest.fixture()

@@ -30,13 +30,14 @@ from vllm_dflash.errors import ContainerError, DflashError, NetworkError, Publis
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest, Profile
 from vllm_dflash.paths import bare_name, storage_error, sweep_stale, temp_sibling
+from vllm_dflash.pipeline.wheelfile import inspect_wheel, normalize
 from vllm_dflash.release import layout
 from vllm_dflash.release.verify import VerifyOptions, VerifyResult, verify
 from vllm_dflash.report import ValidationReport
-from vllm_dflash.simple_index import LocalIndex, copy_hashed, normalize, read_wheel_meta, real_dir
+from vllm_dflash.simple_index import LocalIndex, copy_hashed, read_wheel_meta, real_dir
 from vllm_dflash.validate import verdict
 
-__all__ = ["normalize"]  # re-exported (the index's name rule lives in simple_index)
+__all__ = ["normalize"]  # re-exported (the name rule lives with the wheel reader)
 
 _REFUSE_HINT = "run `vllm-dflash validate` on a GPU node for this artifact and pass its report with --report"
 
@@ -68,6 +69,8 @@ def identify(artifact: str, container_tool: str = "docker") -> ArtifactId:
                 f"{artifact} is not a regular file (a directory, FIFO or device)",
                 "pass the wheel file that was validated",
             )
+        # What the wheel is comes from its bytes (name, version, machine), and it must be a build of ours.
+        inspect_wheel(path, PublishRefusedError, require_provenance=True)
         return ArtifactId(kind="wheel", name=path.name, sha256=sha256_file(path), path=path)
     from vllm_dflash.validate.server import image_id
 

@@ -14,7 +14,8 @@ metadata files, so a resolver reads a wheel's METADATA without fetching the whee
 PyPI writes an incremental static index with PEP 658 and 691 (simple503, dumb-pypi and simple-repository-generator
 regenerate whole trees from a package list, HTML first), so it is written here, checked by pip and uv in the tests.
 
-The name and version a wheel is published under come from its own METADATA, which must agree with its file name.
+The name and version a wheel is published under come from its own METADATA, and its machine from its own WHEEL,
+which must agree with its file name (pipeline/wheelfile.inspect_wheel).
 Every check runs before the first byte is written; only real directories are written through (no symlinked
 `simple/` or project directory); a copy is hashed as it is written and must equal the sha256 the caller vouches
 for (the validation report's, SHA256SUMS'), else it is removed and nothing changes.
@@ -23,14 +24,10 @@ for (the validation report's, SHA256SUMS'), else it is removed and nothing chang
 from __future__ import annotations
 
 import contextlib
-import email.parser
-import email.policy
 import hashlib
 import html
 import json
 import os
-import re
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,16 +36,13 @@ from typing import Any
 from vllm_dflash.errors import PublishRefusedError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.paths import storage_error, sweep_stale, temp_sibling
+from vllm_dflash.pipeline.wheelfile import inspect_wheel
 
 JSON_TYPE = "application/vnd.pypi.simple.v1+json"
 API_VERSION = "1.1"
 METADATA_SUFFIX = ".metadata"
 RECORD_SUFFIX = ".publish.json"
 _CHUNK = 1 << 20
-
-
-def normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 @dataclass(frozen=True)
@@ -64,43 +58,10 @@ class WheelMeta:
 
 
 def read_wheel_meta(path: Path, filename: str | None = None) -> WheelMeta:
-    """METADATA of the wheel at `path` (published as `filename`, default its own name), whose Name and Version must
-    be the file name's; PublishRefusedError otherwise."""
-    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
-    from packaging.version import InvalidVersion, Version
-
-    hint = "publish the wheel file exactly as it was built (its file name must be its METADATA's name and version)"
-    shown = filename or path.name
-    try:
-        file_name, file_version, _, _ = parse_wheel_filename(shown)
-    except InvalidWheelFilename as exc:
-        raise PublishRefusedError(f"{shown} is not a wheel file name ({exc})", hint) from None
-    try:
-        with zipfile.ZipFile(path) as zf:
-            infos = sorted({n.split("/", 1)[0] for n in zf.namelist() if n.split("/", 1)[0].endswith(".dist-info")})
-            if len(infos) != 1:
-                raise PublishRefusedError(f"{shown} has {len(infos)} .dist-info directories, not one", hint)
-            raw = zf.read(f"{infos[0]}/METADATA")
-    except KeyError:
-        raise PublishRefusedError(f"{shown} has no .dist-info/METADATA", hint) from None
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise PublishRefusedError(f"{shown} is not a readable wheel ({exc})", hint) from None
-    meta = email.parser.BytesParser(policy=email.policy.compat32).parsebytes(raw, headersonly=True)
-    name, version = meta.get("Name"), meta.get("Version")
-    if not name or not version:
-        raise PublishRefusedError(f"{shown}: METADATA lacks Name or Version", hint)
-    try:
-        same_version = Version(str(version)) == file_version
-    except InvalidVersion:
-        raise PublishRefusedError(f"{shown}: METADATA Version {version!r} is not a version", hint) from None
-    if normalize(str(name)) != normalize(str(file_name)) or not same_version:
-        raise PublishRefusedError(
-            f"{shown} is named {file_name} {file_version}, but its METADATA says {name} {version}: "
-            "a renamed wheel would publish under a name it does not have",
-            hint,
-        )
-    rp = meta.get("Requires-Python")
-    return WheelMeta(shown, normalize(str(name)), str(name), str(version), str(rp) if rp else None, raw)
+    """METADATA of the wheel at `path` (published as `filename`, default its own name), whose name, version, machine
+    and interpreter must be the file name's (pipeline/wheelfile.inspect_wheel); PublishRefusedError otherwise."""
+    got = inspect_wheel(path, PublishRefusedError, filename)
+    return WheelMeta(got.filename, got.project, got.name, got.version, got.requires_python, got.metadata)
 
 
 def real_dir(path: Path, what: str) -> None:
