@@ -128,10 +128,10 @@ def read_bounded(path: Path, limit: int, what: str, error: type[DflashError] = S
 def read_zip_member(
     zf: Any, info: Any, limit: int, where: str, error: type[DflashError] = StorageError, hint: str = ""
 ) -> bytes:
-    """The bytes of one member of an open zipfile.ZipFile, read bounded: a member larger than `limit` when inflated
-    (a zip bomb says otherwise in its header, and is cut off at `limit + 1` bytes), encrypted, stored with a method
-    other than stored or deflate (what wheels use), or corrupt (bad CRC, truncated, a broken stream) is one `error`
-    line naming it, never another exception."""
+    """The bytes of one member of an open zipfile.ZipFile, read bounded: a member whose size is above `limit`,
+    encrypted, stored with a method other than stored or deflate (what wheels use), or corrupt (bad CRC, truncated,
+    a broken stream) is one `error` line naming it, never another exception. zipfile inflates no further than the
+    size the central directory states, so a bomb that understates its size ends in a CRC error, not in memory."""
     import zipfile
     import zlib
 
@@ -147,11 +147,9 @@ def read_zip_member(
         raise error(f"{name} is {info.file_size} bytes, larger than the {_size(limit)} limit for it", hint)
     try:
         with zf.open(info) as fh:
-            data: bytes = fh.read(limit + 1)
+            data: bytes = fh.read(limit)
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, RuntimeError, NotImplementedError) as exc:
         raise error(f"{name} is corrupt ({str(exc)[:200]})", hint or "use an intact copy") from None
-    if len(data) > limit:
-        raise error(f"{name} inflates beyond the {_size(limit)} limit for it (a zip bomb)", hint)
     return data
 
 
