@@ -392,13 +392,13 @@ def test_declared_binding_needs_the_flag_and_is_recorded(
     # Negative control: with the flag it publishes, and the index says so.
     run = cli(root, "publish", other, "--report", report2, "--to", index, "--accept-declared-binding")
     assert run.returncode == 0, run.stderr
-    record = json.loads((index / "simple" / "gatedemo" / f"{other.name}.publish.json").read_text())
-    assert record["binding"] == "declared" and record["declared_binding_accepted"] is True
+    records = json.loads((index / "simple" / "gatedemo" / f"{other.name}.publish.json").read_text())
+    assert len(records) == 1 and records[0]["binding"] == "declared" and records[0]["declared_binding_accepted"]
     entry = next(
         f for f in json.loads((index / "simple" / "gatedemo" / "index.json").read_text())["files"]
         if f["filename"] == other.name
     )  # fmt: skip
-    assert entry["_vllm_dflash"]["declared_binding_accepted"] is True
+    assert entry["_vllm_dflash"][0]["declared_binding_accepted"] is True
 
 
 def publish(root: Path, index: Path, wheel: Path, report: Path) -> None:

@@ -34,7 +34,7 @@ from vllm_dflash.pipeline.wheelfile import inspect_wheel, normalize
 from vllm_dflash.release import layout
 from vllm_dflash.release.verify import VerifyOptions, VerifyResult, verify
 from vllm_dflash.report import ValidationReport
-from vllm_dflash.simple_index import LocalIndex, copy_hashed, read_wheel_meta, real_dir
+from vllm_dflash.simple_index import LocalIndex, PlannedWheel, copy_hashed, read_wheel_meta, real_dir
 from vllm_dflash.validate import verdict
 
 __all__ = ["normalize"]  # re-exported (the name rule lives with the wheel reader)
@@ -230,8 +230,10 @@ def publish_wheel_local(
     name with other content is refused, as PyPI does. Every check happens before the first byte is written.
     """
     idx = LocalIndex(root)
-    planned = idx.plan(wheel, sha256 or sha256_file(wheel), record or {})
-    idx.write(planned)
+    want = sha256 or sha256_file(wheel)
+    idx.plan(wheel, want, record or {})  # refused here, the index is untouched (not even its lock file made)
+    with idx.transaction():  # concurrent publishes to this index run one after another: check again inside
+        idx.write(idx.plan(wheel, want, record or {}))
     return idx.simple
 
 
@@ -417,67 +419,78 @@ def publish_release(
     assert files_dir is not None
     digests = plan.release.digests
 
-    # Every check before the first byte is written.
-    if root is not None:
-        real_dir(root / "releases", "index directory")
-    real_dir(files_dir, "release files directory")
-    others = [p for p in plan.files if p.suffix != ".whl"]
-    for path in others:
-        dest = files_dir / path.name
-        if dest.is_symlink() or (dest.exists() and not dest.is_file()):
-            raise PublishRefusedError(f"{dest} is not a regular file", f"remove {dest}")
-        if dest.exists() and sha256_file(dest) != digests.get(path.name):
-            raise PublishRefusedError(f"{dest} already exists with different content", "published files are immutable")
-    chosen = [d for d in plan.decisions if d.wheel is not None]
     idx = LocalIndex(root) if root is not None else None
-    planned = []
-    if idx is not None:
-        for d in chosen:
-            assert d.wheel is not None and d.sha256 is not None and d.report is not None
-            rep = reports.load(d.report, reports.key_from_env(), PublishRefusedError, _REFUSE_HINT)
-            record = {**publish_record(rep, accept_declared), "sha256": d.sha256}
-            planned.append(idx.plan(d.wheel, d.sha256, record))
-    else:
-        for d in chosen:
-            assert d.wheel is not None
-            read_wheel_meta(d.wheel)
+    others = [p for p in plan.files if p.suffix != ".whl"]
+    chosen = [d for d in plan.decisions if d.wheel is not None]
 
-    # Writing: every copy (wheels and release files) staged and hashed first, then all renamed into place.
-    staged = idx.stage(*planned) if idx is not None else None
-    parts: list[tuple[Path, Path]] = []
-    made_dirs = [p for p in (files_dir.parent, files_dir) if not p.exists()]
-    try:
-        for new_dir in made_dirs:
-            new_dir.mkdir(exist_ok=True)
+    def check() -> list[PlannedWheel]:
+        """Every check before the first byte is written; the index's wheels planned."""
+        if root is not None:
+            real_dir(root / "releases", "index directory")
+        real_dir(files_dir, "release files directory")
         for path in others:
             dest = files_dir / path.name
-            if not (dest.is_file() and sha256_file(dest) == digests.get(path.name)):
-                parts.append((_stage_release_file(path, dest, digests[path.name]), dest))
-    except BaseException as exc:
-        for part, _ in parts:
-            part.unlink(missing_ok=True)
-        for new_dir in reversed(made_dirs):
-            with contextlib.suppress(OSError):
-                new_dir.rmdir()
+            if dest.is_symlink() or (dest.exists() and not dest.is_file()):
+                raise PublishRefusedError(f"{dest} is not a regular file", f"remove {dest}")
+            if dest.exists() and sha256_file(dest) != digests.get(path.name):
+                raise PublishRefusedError(
+                    f"{dest} already exists with different content", "published files are immutable"
+                )
+        planned = []
+        if idx is not None:
+            for d in chosen:
+                assert d.wheel is not None and d.sha256 is not None and d.report is not None
+                rep = reports.load(d.report, reports.key_from_env(), PublishRefusedError, _REFUSE_HINT)
+                record = {**publish_record(rep, accept_declared), "sha256": d.sha256}
+                planned.append(idx.plan(d.wheel, d.sha256, record))
+        else:
+            for d in chosen:
+                assert d.wheel is not None
+                read_wheel_meta(d.wheel)
+        return planned
+
+    check()  # refused here, nothing is touched (not even the index's lock file)
+    # A local index: the whole write is one transaction on it (its lock held from the checks, made again, to the
+    # last rename), so a concurrent publish neither interleaves with it nor sees it half done.
+    with idx.transaction() if idx is not None else contextlib.nullcontext():
+        planned = check()
+
+        # Writing: every copy (wheels and release files) staged and hashed first, then all renamed into place.
+        staged = idx.stage(*planned) if idx is not None else None
+        parts: list[tuple[Path, Path]] = []
+        made_dirs = [p for p in (files_dir.parent, files_dir) if not p.exists()]
+        try:
+            for new_dir in made_dirs:
+                new_dir.mkdir(exist_ok=True)
+            for path in others:
+                dest = files_dir / path.name
+                if not (dest.is_file() and sha256_file(dest) == digests.get(path.name)):
+                    parts.append((_stage_release_file(path, dest, digests[path.name]), dest))
+        except BaseException as exc:
+            for part, _ in parts:
+                part.unlink(missing_ok=True)
+            for new_dir in reversed(made_dirs):
+                with contextlib.suppress(OSError):
+                    new_dir.rmdir()
+            if staged is not None and idx is not None:
+                idx.abort(staged)
+            if isinstance(exc, OSError):
+                raise storage_error(exc, files_dir, "write") from None
+            raise
         if staged is not None and idx is not None:
-            idx.abort(staged)
-        if isinstance(exc, OSError):
+            idx.commit(staged)
+            destination = idx.simple.as_uri()
+        else:
+            for d in chosen:
+                assert d.wheel is not None
+                publish_wheel_twine(d.wheel, to, d.sha256)
+            destination = to
+        try:
+            sweep_stale(files_dir)
+            for part, dest in parts:
+                os.replace(part, dest)
+        except OSError as exc:
             raise storage_error(exc, files_dir, "write") from None
-        raise
-    if staged is not None and idx is not None:
-        idx.commit(staged)
-        destination = idx.simple.as_uri()
-    else:
-        for d in chosen:
-            assert d.wheel is not None
-            publish_wheel_twine(d.wheel, to, d.sha256)
-        destination = to
-    try:
-        sweep_stale(files_dir)
-        for part, dest in parts:
-            os.replace(part, dest)
-    except OSError as exc:
-        raise storage_error(exc, files_dir, "write") from None
     return ReleasePublished(plan=plan, index=destination, files_dir=files_dir)
 
 

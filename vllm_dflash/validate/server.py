@@ -298,6 +298,16 @@ def installed_matches_wheel(installed: InstalledVllm, wheel: Path) -> bool:
     return installed_problem(installed, wheel) is None
 
 
+def same_version(a: str, b: str) -> bool:
+    """Equal as PEP 440 versions (`+dflash.01` is `+dflash.1`); a string that is no version equals only itself."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(a) == Version(b)
+    except InvalidVersion:
+        return a == b
+
+
 def wheel_version(wheel: Path) -> str:
     """The version the wheel's own METADATA states."""
     return inspect_wheel(wheel, MeasurementError).version
@@ -502,7 +512,7 @@ def use_endpoint(
                 file=sys.stderr,
                 flush=True,
             )
-        elif version != wheel_version(wheel):
+        elif not same_version(version, wheel_version(wheel)):
             raise MeasurementError(
                 f"{base_url} runs vLLM {version}, but --wheel {wheel.name} is version {wheel_version(wheel)}",
                 "serve the wheel you want to validate, or launch it with validate's subprocess mode",
@@ -520,7 +530,7 @@ def use_endpoint(
                 file=sys.stderr,
                 flush=True,
             )
-        elif version != declared:
+        elif not same_version(version, declared):
             raise MeasurementError(
                 f"{base_url} runs vLLM {version}, but --image {image} declares version {declared}",
                 "serve the image you want to validate, or launch it with validate's container mode",
