@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import sys
 import tempfile
@@ -56,6 +57,7 @@ class PublishResult:
     destination: str
     profile: str
     report: Path
+    pushed_digest: str | None = None  # an image: the digest the registry stores it under
 
 
 def identify(artifact: str, container_tool: str = "docker") -> ArtifactId:
@@ -268,10 +270,26 @@ def publish_wheel_twine(wheel: Path, url: str, sha256: str | None = None) -> Non
         )
 
 
-def publish_image(image: str, to: str, tool: str) -> None:
-    """Tag the validated image (same image ID) as `to` and push it."""
-    proc.call(tool, "tag", image, to, error=ContainerError, hint=f"check that {image} exists")
-    proc.call(tool, "push", to, error=ContainerError, hint=f"log in to the registry of {to} first")
+def publish_image(image_id: str, to: str, tool: str) -> str | None:
+    """Tag the validated image as `to` -- by the image ID the report names, not by a name that may have moved to
+    another image since -- and push it; the digest the registry stores it under (what a release names, REPO@DIGEST)
+    when the tool says (podman: --digestfile; docker: the repo digest it records)."""
+    proc.call(tool, "tag", image_id, to, error=ContainerError, hint=f"check that image {image_id} still exists")
+    with tempfile.TemporaryDirectory(prefix="vllm-dflash-push-") as tmp:
+        digestfile = Path(tmp) / "digest"
+        extra = ["--digestfile", str(digestfile)] if tool == "podman" else []
+        proc.call(tool, "push", *extra, to, error=ContainerError, hint=f"log in to the registry of {to} first")
+        if digestfile.is_file():
+            return digestfile.read_text().strip() or None
+    if tool != "docker":
+        return None
+    found = proc.call(tool, "image", "inspect", "--format", "{{json .RepoDigests}}", to, capture=True, check=False)
+    repo = to.rsplit(":", 1)[0] if ":" in to.rsplit("/", 1)[-1] else to
+    with contextlib.suppress(ValueError, TypeError):
+        for ref in json.loads(found.stdout or "[]"):
+            if str(ref).startswith(f"{repo}@sha256:"):
+                return str(ref).split("@", 1)[1]
+    return None
 
 
 def publish(
@@ -287,6 +305,7 @@ def publish(
     ident = identify(artifact, container_tool)
     rep = check_gate(report, ident, manifest, accept_declared)
     assert report is not None
+    pushed: str | None = None
     if ident.kind == "wheel":
         assert ident.path is not None
         if local is not None:
@@ -297,9 +316,11 @@ def publish(
             publish_wheel_twine(ident.path, to, ident.sha256)
             destination = to
     else:
-        publish_image(ident.name, to, container_tool)
+        pushed = publish_image(ident.sha256, to, container_tool)
         destination = to
-    return PublishResult(artifact=ident, destination=destination, profile=rep.profile_name, report=report)
+    return PublishResult(
+        artifact=ident, destination=destination, profile=rep.profile_name, report=report, pushed_digest=pushed
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
