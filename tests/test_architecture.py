@@ -159,6 +159,7 @@ def test_only_the_cli_knows_argparse() -> None:
         ("unified diff", r"^@@ \|\"@@\|'@@", {"vllm_dflash/diff.py"}),
         ("report", r"def seal_problem\|validation-report/", {"vllm_dflash/report.py"}),
         ("provenance", r"dflash_build\.json", {"vllm_dflash/provenance.py"}),
+        ("wheel METADATA and WHEEL", r"BytesParser", {"vllm_dflash/pipeline/wheelfile.py"}),
     ],
 )
 def test_one_parser_per_format(what: str, pattern: str, owner: set[str]) -> None:

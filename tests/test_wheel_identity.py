@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 from conftest import checkout_requiring, provenance_bytes
 from test_gate import cli, error_lines, tree_hash
-from test_publish import PROFILE_TABLE
+from test_publish import PROFILE_TABLE, make_report
 
 from vllm_dflash import provenance as prov
 from vllm_dflash.errors import PublishRefusedError
+from vllm_dflash.fetch import sha256_file
 from vllm_dflash.pipeline.wheelfile import inspect_wheel, member_problem
 
 VERSION = "0.20.1+dflash.1"
@@ -91,9 +92,9 @@ def root(tmp_path: Path) -> Path:
 
 
 def publish_refused(root: Path, index: Path, wheel_path: Path, words: str) -> None:
-    """Refused before any report is read: the wheel itself is what is wrong."""
+    """Refused although a passing report names this very wheel (its sha256): the wheel itself is what is wrong."""
     before = tree_hash(index)
-    report = root / "no-report.json"
+    report = make_report(root, sha256_file(wheel_path), wheel_path.parent / f"{wheel_path.name}.report.json")
     run = cli(root, "publish", wheel_path, "--report", report, "--to", index)
     lines = error_lines(run)
     assert run.returncode == 12 and len(lines) == 1 and words in lines[0], run.stderr
@@ -106,9 +107,13 @@ def refused(path: Path, words: str) -> None:
     assert words in got.value.one_line() and "\n" not in got.value.one_line(), got.value.one_line()
 
 
-def test_a_valid_wheel_reads_as_what_it_is(tmp_path: Path) -> None:
-    """The negative control of every case below: the same wheel, untouched."""
-    got = inspect_wheel(wheel(tmp_path), PublishRefusedError, require_provenance=True)
+def test_a_valid_wheel_reads_as_what_it_is(root: Path, tmp_path: Path) -> None:
+    """The negative control of every case below: the same wheel, untouched, publishes with the same kind of report."""
+    good = wheel(tmp_path)
+    report = make_report(root, sha256_file(good), tmp_path / "report.json")
+    run = cli(root, "publish", good, "--report", report, "--to", tmp_path / "index")
+    assert run.returncode == 0, run.stderr
+    got = inspect_wheel(good, PublishRefusedError, require_provenance=True)
     assert (got.project, got.version, got.machine) == ("vllm", VERSION, "x86_64")
     assert got.provenance is not None and got.provenance.version == VERSION
     arm = inspect_wheel(wheel(tmp_path / "arm", tag=ARM), PublishRefusedError, require_provenance=True)

@@ -71,8 +71,6 @@ def identify(artifact: str, container_tool: str = "docker") -> ArtifactId:
                 f"{artifact} is not a regular file (a directory, FIFO or device)",
                 "pass the wheel file that was validated",
             )
-        # What the wheel is comes from its bytes (name, version, machine), and it must be a build of ours.
-        inspect_wheel(path, PublishRefusedError, require_provenance=True)
         return ArtifactId(kind="wheel", name=path.name, sha256=sha256_file(path), path=path)
     from vllm_dflash.validate.server import image_id
 
@@ -306,6 +304,8 @@ def publish(
     rep = check_gate(report, ident, manifest, accept_declared)
     assert report is not None
     pushed: str | None = None
+    if ident.path is not None:  # what the wheel is comes from its bytes, and it must be a build of ours
+        inspect_wheel(ident.path, PublishRefusedError, require_provenance=True)
     if ident.kind == "wheel":
         assert ident.path is not None
         if local is not None:

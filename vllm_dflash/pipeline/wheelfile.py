@@ -232,7 +232,7 @@ class WheelIdentity:
     metadata: bytes  # the METADATA member, byte for byte
     record: bytes  # the RECORD member
     members: tuple[str, ...]
-    provenance: prov.Provenance | None  # vllm/dflash_build.json, when it carries one (checked against the rest)
+    provenance: prov.Provenance | None  # prov.PATH, when it carries one (checked against the rest)
 
     @property
     def requires_python(self) -> str | None:
