@@ -11,6 +11,7 @@ the test holds it, and goes on when it is released.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import html
@@ -174,3 +175,58 @@ def test_a_publish_waits_for_the_lock(root: Path, tmp_path: Path) -> None:
     assert waiting and nothing_written, proc.communicate()
     assert proc.wait(timeout=120) == 0, proc.communicate()  # released by closing the file: it published
     assert (index / "simple" / PROJECTS[1] / job.wheel.name).is_file()
+
+
+def test_a_publish_refused_inside_the_lock_leaves_nothing(root: Path, tmp_path: Path) -> None:
+    """Refused only inside the transaction (the bytes copied are not the ones vouched for): a root the publish
+    created is removed again with its lock file; in an existing index, the lock file it found stays and nothing
+    else changes."""
+    from test_gate import tree_hash
+
+    from vllm_dflash.errors import PublishRefusedError
+    from vllm_dflash.publish import publish_wheel_local
+
+    wheel = make_wheel(tmp_path / "w")
+    fresh = tmp_path / "fresh"
+    with pytest.raises(PublishRefusedError, match="changed"):
+        publish_wheel_local(wheel, fresh, sha256="0" * 64)
+    assert not fresh.exists()
+    index = tmp_path / "index"
+    publish_wheel_local(wheel, index)  # negative control: the right sha256 publishes (and makes the lock file)
+    other = make_wheel(tmp_path / "w2", version="2.0.0")
+    before = tree_hash(index)
+    with pytest.raises(PublishRefusedError, match="changed"):
+        publish_wheel_local(other, index, sha256="0" * 64)
+    assert tree_hash(index) == before and (index / LOCK_NAME).is_file()
+
+
+def test_a_waiting_publish_takes_the_lock_a_refused_one_left(tmp_path: Path) -> None:
+    """The first publish into a new root is refused while a second waits on its lock file: the first removes lock
+    and root, so the second must not go on holding a lock on a file that is gone; it takes a new one."""
+    from vllm_dflash.simple_index import LocalIndex
+
+    root = tmp_path / "index"
+    first_in, let_go = threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def first() -> None:
+        with contextlib.suppress(RuntimeError), LocalIndex(root).transaction():
+            first_in.set()
+            let_go.wait(30)
+            raise RuntimeError("refused")
+
+    def second() -> None:
+        with LocalIndex(root).transaction():
+            seen["lock file there"] = (root / LOCK_NAME).is_file()
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert first_in.wait(30)
+    b = threading.Thread(target=second)
+    b.start()
+    time.sleep(0.5)  # b opens the lock file and waits on it
+    assert b.is_alive()  # it waits while the first holds the index
+    let_go.set()
+    a.join(30)
+    b.join(30)
+    assert seen == {"lock file there": True}
