@@ -107,6 +107,10 @@ def test_a_missing_or_foreign_install_breaks_the_binding(installed: tuple[Path, 
     info = installed_vllm(python)
     other = vllm_wheel(tmp_path / "other", body=b"# another build\n")  # same name and version, one file differs
     assert "is not the wheel's vllm/__init__.py" in (installed_problem(info, other) or "")
+    newer = write_wheel(tmp_path / "newer", "vllm", "0.20.1+dflash.8", {"vllm/__init__.py": b"# x\n"})
+    assert installed_problem(info, newer) == f"it is version {VERSION}, the wheel 0.20.1+dflash.8"
+    torch = write_wheel(tmp_path / "torch", "torch", VERSION, {"torch/__init__.py": b"# x\n"})
+    assert installed_problem(info, torch) == f"it is vllm {VERSION}, not torch"
     model = site / "vllm" / "model.py"
     saved = model.read_bytes()
     model.unlink()
@@ -115,6 +119,28 @@ def test_a_missing_or_foreign_install_breaks_the_binding(installed: tuple[Path, 
     finally:
         model.write_bytes(saved)
     assert installed_problem(info, wheel) is None
+
+
+def test_a_wheel_whose_record_lies_binds_nothing(installed: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    """The same bytes as the installed wheel, but its RECORD names another hash for one file: the wheel is not what
+    its own RECORD says, so nothing is bound by it (the disk matches the bytes; the RECORD does not)."""
+    python, wheel, _ = installed
+    lying = tmp_path / wheel.name
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(lying, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/RECORD"):
+                rows = data.decode().splitlines()
+                data = (
+                    "\n".join(
+                        "vllm/model.py,sha256=" + "A" * 43 + ",11" if r.startswith("vllm/model.py,") else r
+                        for r in rows
+                    ).encode()
+                    + b"\n"
+                )
+            dst.writestr(info, data)
+    problem = installed_problem(installed_vllm(python), lying)
+    assert problem is not None and "the wheel's RECORD says sha256=AAAA" in problem and "vllm/model.py" in problem
 
 
 def test_validate_refuses_the_edited_install_through_the_cli(

@@ -222,7 +222,10 @@ def test_counter_sets_and_their_delta() -> None:
 
 def test_measurement_problem_decisions() -> None:
     data = report()
-    assert rules.measurement_problem({**data, "verdict": "error"}) is None  # measured nothing: no numbers to judge
+    # Measured nothing (validate's error report carries no counters and no acceptance): nothing to judge.
+    nothing = {**data, "verdict": "error", "counters": None, "acceptance": None, "gates": []}
+    assert rules.measurement_problem(nothing) is None
+    assert "no counters" in (rules.measurement_problem({**nothing, "verdict": "fail"}) or "")
     for k in (0, True, "3", None):
         bad = edited(data, lambda d, k=k: d["profile"].update(num_speculative_tokens=k))  # type: ignore[misc]
         assert "no num_speculative_tokens >= 1" in (rules.measurement_problem(bad) or "")

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 import uuid
 import zipfile
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,7 +280,15 @@ def _files_differ(root: Path, wheel: Path, dist_info: str, record_bytes_: bytes)
                 with zf.open(info) as member:
                     while chunk := member.read(1 << 20):
                         h.update(chunk)
-            except (zipfile.BadZipFile, OSError, ValueError, RuntimeError, NotImplementedError) as exc:
+            except (
+                zipfile.BadZipFile,
+                zlib.error,
+                EOFError,
+                OSError,
+                ValueError,
+                RuntimeError,
+                NotImplementedError,
+            ) as exc:
                 return f"the wheel's {name} cannot be read ({str(exc)[:120]})"
             digest = "sha256=" + base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
             if want != digest:
