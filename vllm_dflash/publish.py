@@ -2,14 +2,17 @@
 or a whole release directory (`publish RELEASE_DIR --to DIR`), where every platform's wheel needs its own report.
 
 The gate has no override. It demands a report that (1) verifies against its seal (and HMAC when
-$VLLM_DFLASH_REPORT_KEY is set) and carries only numbers a measurement can give, (2) says "pass", (3) names this
-exact artifact -- the wheel file's sha256 or the image's content ID --, (4) comes from a profile the manifest lists
-in [publish].required_profiles, with the very definition the manifest holds now, (5) measured that profile's own
-prompt set, all of it (not an exploratory run), and (6) binds the served code to the artifact by `installed` or
-`image`; a `declared` binding (an endpoint) passes only with the explicit flag, which the index records. Wheels are
-published under the name and version of their own METADATA (simple_index), to a local index (a directory or
-file:// URL) or an upload URL via twine; images are tagged and pushed with the container tool. Every check happens
-before the first byte is written: a refused publish leaves the destination as it was.
+$VLLM_DFLASH_REPORT_KEY is set) and carries only numbers a measurement can give, (2) comes from a profile the
+manifest lists in [publish].required_profiles, its profile section the manifest's field by field, (3) passes when
+judged again under that profile (validate/verdict.py: k, gates and thresholds the manifest's, every number and gate
+recomputed from the counters; a recorded verdict is never read), (4) names this exact artifact -- the wheel file's
+sha256 or the image's content ID --, (5) measured that profile's own prompt set, all of it (not an exploratory run),
+and (6) binds the served code to the artifact by `installed` or `image`; a `declared` binding (an endpoint) passes
+only with the explicit flag, which the index records. A wheel must then be what its bytes say and a build of ours
+(pipeline/wheelfile.inspect_wheel). Wheels are published under the name and version of their own METADATA, to a
+local index (a directory or file:// URL; one publish at a time under its lock) or an upload URL via twine; images
+are tagged by their validated ID and pushed with the container tool. Every check happens before the first byte is
+written: a refused publish leaves the destination as it was.
 """
 
 from __future__ import annotations

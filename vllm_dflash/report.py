@@ -2,7 +2,9 @@
 
 `validate` writes one; `publish`, `release` and `verify` read it. A report carries a sha256 over its canonical
 content (any edit made without re-sealing shows) and, with $VLLM_DFLASH_REPORT_KEY set, an HMAC-SHA256 that only
-holders of the key can produce.
+holders of the key can produce. A seal says who wrote it, not that it is true: the rules on the numbers a report may
+carry live here too (the counts a vLLM exports; validate applies them to /metrics and every reader again), and the
+readers judge its verdict again from its counters (validate/verdict.py).
 """
 
 from __future__ import annotations
