@@ -167,7 +167,7 @@ def test_a_publish_waits_for_the_lock(root: Path, tmp_path: Path) -> None:
         fcntl.flock(held, fcntl.LOCK_EX)
         args = [*cli, str(job.wheel), "--to", str(index), "--report", str(job.report)]
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 8  # it has checked everything and waits on the lock well before that
+        deadline = time.monotonic() + 4  # it has checked everything and waits on the lock well before that
         while time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
         waiting = proc.poll() is None
