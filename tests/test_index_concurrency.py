@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import html
 import json
+import os
 import re
 import subprocess
 import sys
@@ -156,9 +157,21 @@ def test_concurrent_publishes_in_processes(root: Path, tmp_path: Path, trial: in
     check_index(index, todo, "processes")
 
 
+def _blocked_on(path: Path, pid: int) -> bool:
+    """Whether process `pid` waits for a flock on `path` (the kernel lists waiters as `-> FLOCK ...` lines)."""
+    inode = os.stat(path).st_ino
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if "->" in fields and "FLOCK" in fields:
+            at = fields.index("FLOCK")
+            if fields[at + 3] == str(pid) and fields[at + 4].rsplit(":", 1)[-1] == str(inode):
+                return True
+    return False
+
+
 def test_a_publish_waits_for_the_lock(root: Path, tmp_path: Path) -> None:
-    """While another publish holds the index (here: the test holds its lock), a publish -- a process -- writes
-    nothing; once the lock is released it goes on and publishes."""
+    """While another publish holds the index (here: the test holds its lock), a publish -- a process -- waits on the
+    lock (the kernel lists it as a waiter) having written nothing; once the lock is released it publishes."""
     index = tmp_path / "index"
     job = jobs(root, tmp_path / "jobs")[1]
     index.mkdir()
@@ -167,10 +180,10 @@ def test_a_publish_waits_for_the_lock(root: Path, tmp_path: Path) -> None:
         fcntl.flock(held, fcntl.LOCK_EX)
         args = [*cli, str(job.wheel), "--to", str(index), "--report", str(job.report)]
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 4  # it has checked everything and waits on the lock well before that
-        while time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
-        waiting = proc.poll() is None
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and not _blocked_on(index / LOCK_NAME, proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        waiting = proc.poll() is None and _blocked_on(index / LOCK_NAME, proc.pid)
         nothing_written = not (index / "simple").exists()
     assert waiting and nothing_written, proc.communicate()
     assert proc.wait(timeout=120) == 0, proc.communicate()  # released by closing the file: it published
