@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import tomlkit
-from conftest import checkout_requiring, http_server, write_wheel
+from conftest import checkout_requiring, http_server, provenance_bytes, write_wheel
 from test_publish import make_wheel
 
 from vllm_dflash.cli import main
@@ -392,13 +392,13 @@ def test_declared_binding_needs_the_flag_and_is_recorded(
     # Negative control: with the flag it publishes, and the index says so.
     run = cli(root, "publish", other, "--report", report2, "--to", index, "--accept-declared-binding")
     assert run.returncode == 0, run.stderr
-    record = json.loads((index / "simple" / "gatedemo" / f"{other.name}.publish.json").read_text())
-    assert record["binding"] == "declared" and record["declared_binding_accepted"] is True
+    records = json.loads((index / "simple" / "gatedemo" / f"{other.name}.publish.json").read_text())
+    assert len(records) == 1 and records[0]["binding"] == "declared" and records[0]["declared_binding_accepted"]
     entry = next(
         f for f in json.loads((index / "simple" / "gatedemo" / "index.json").read_text())["files"]
         if f["filename"] == other.name
     )  # fmt: skip
-    assert entry["_vllm_dflash"]["declared_binding_accepted"] is True
+    assert entry["_vllm_dflash"][0]["declared_binding_accepted"] is True
 
 
 def publish(root: Path, index: Path, wheel: Path, report: Path) -> None:
@@ -641,21 +641,9 @@ def make_vllm_wheel(dest: Path, body: str = "# ours\n") -> Path:
 
     from vllm_dflash import provenance as prov
 
-    version = "0.20.1+dflash.1"
-    doc = prov.Provenance(
-        version=version,
-        upstream=prov.UpstreamRef("0.20.1", "v0.20.1", "https://github.com/vllm-project/vllm.git", "f98b2747f",
-                                  "f98b2747f", "sdist", "vllm-0.20.1.tar.gz", "ab" * 32),
-        fork=prov.ForkRef("dflash/v0.20.1", "a" * 40, "b" * 40),
-        patches=(),
-        build=prov.BuildInfo("vllm-dflash", "0.1.0", "fast", "test", "base.whl", "d" * 64),
-        changed_files=("vllm/__init__.py",),
-    )  # fmt: skip
-    files = {
-        "vllm/__init__.py": body.encode(),
-        prov.PATH: doc.dumps() if isinstance(doc.dumps(), bytes) else str(doc.dumps()).encode(),
-    }
-    return write_wheel(dest, "vllm", version, files, tag="py3-none-manylinux_2_35_x86_64")
+    version, tag = "0.20.1+dflash.1", "py3-none-manylinux_2_35_x86_64"
+    files = {"vllm/__init__.py": body.encode(), prov.PATH: provenance_bytes("vllm", version, tag)}
+    return write_wheel(dest, "vllm", version, files, tag=tag)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import json
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -189,12 +190,14 @@ def test_provenance(data: bytes) -> None:
 
 
 def _report() -> bytes:
+    zero: dict[str, Any] = {n: 0 for n in reports.COUNTER_NAMES} | {reports.PER_POSITION: {}}
+    after = {**zero, "num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 20}
     body = {
         "schema": reports.SCHEMA,
         "profile": {"name": "p", "sha256": "0" * 64, "num_speculative_tokens": 3},
         "server": {"artifact": {"sha256": "1" * 64, "name": "x.whl"}},
         # counts a vLLM drafting k = 3 can produce (load checks them): AL = 1 + 20 / 10 = 3.0
-        "counters": {"delta": {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 20}},
+        "counters": {"before": zero, "after": after, "delta": after},  # delta = after - before
         "acceptance": {"mean_acceptance_length": 3.0},
         "gates": [{"gate": "g", "passed": True, "value": 3.0, "threshold": 2.0, "detail": ""}],
         "verdict": "pass",

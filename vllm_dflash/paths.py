@@ -19,6 +19,7 @@ import shutil
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from vllm_dflash.errors import DISK_FULL_HINT, DflashError, ManifestError, StorageError
 
@@ -121,6 +122,34 @@ def read_bounded(path: Path, limit: int, what: str, error: type[DflashError] = S
             f"{what} {path} is larger than the {_size(limit)} limit for it",
             hint or f"a {what} is never that large; pass the right file",
         )
+    return data
+
+
+def read_zip_member(
+    zf: Any, info: Any, limit: int, where: str, error: type[DflashError] = StorageError, hint: str = ""
+) -> bytes:
+    """The bytes of one member of an open zipfile.ZipFile, read bounded: a member whose size is above `limit`,
+    encrypted, stored with a method other than stored or deflate (what wheels use), or corrupt (bad CRC, truncated,
+    a broken stream) is one `error` line naming it, never another exception. zipfile inflates no further than the
+    size the central directory states, so a bomb that understates its size ends in a CRC error, not in memory."""
+    import zipfile
+    import zlib
+
+    name = f"{where}: member {str(info.filename)[:120]!r}"
+    if info.flag_bits & 0x1:
+        raise error(f"{name} is encrypted", hint or "a wheel's members are never encrypted")
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise error(
+            f"{name} is compressed with zip method {info.compress_type}, not stored or deflate",
+            hint or "a wheel is written with deflate (PEP 427)",
+        )
+    if info.file_size > limit:
+        raise error(f"{name} is {info.file_size} bytes, larger than the {_size(limit)} limit for it", hint)
+    try:
+        with zf.open(info) as fh:
+            data: bytes = fh.read(limit)
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, RuntimeError, NotImplementedError) as exc:
+        raise error(f"{name} is corrupt ({str(exc)[:200]})", hint or "use an intact copy") from None
     return data
 
 

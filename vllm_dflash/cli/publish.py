@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
         f"(report {result.report}, profile {result.profile})",
         flush=True,
     )
+    if result.pushed_digest:
+        repo = args.to.rsplit(":", 1)[0] if ":" in args.to.rsplit("/", 1)[-1] else args.to
+        print(f"pushed {repo}@{result.pushed_digest} (name it so in `release --image`)", flush=True)
     if result.artifact.kind == "wheel" and result.destination.startswith("file:"):
         print(f"install with: pip install --index-url {result.destination} <name>", flush=True)
     return 0

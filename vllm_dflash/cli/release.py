@@ -118,7 +118,10 @@ def run_verify(args: argparse.Namespace) -> int:
     result = verify(
         args.path.resolve(),
         VerifyOptions(
-            public_keys=tuple(args.key), require_signature=args.require_signature, report_key=reports.key_from_env()
+            public_keys=tuple(args.key),
+            require_signature=args.require_signature,
+            report_key=reports.key_from_env(),
+            profiles=manifest(args).profiles,  # attached reports are judged under the manifest's profiles
         ),
     )
     print(result.summary())

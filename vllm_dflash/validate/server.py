@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 import uuid
 import zipfile
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,13 +29,14 @@ from vllm_dflash import provenance as prov
 from vllm_dflash.errors import MeasurementError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import DEFAULT_HEALTH_TIMEOUT_S, Profile
+from vllm_dflash.pipeline.wheelfile import inspect_wheel, normalize
 
 LOG_TAIL_LINES = 40
 
 # How the served code is tied to the artifact a report names (README "Validate on a GPU node"):
 BINDING_INSTALLED = "installed"  # validate launched the server from an environment holding exactly the wheel's files
 BINDING_IMAGE = "image"  # validate launched the server from the image with this content ID
-BINDING_DECLARED = "declared"  # an endpoint validate did not start, whose /version equals the named wheel's
+BINDING_DECLARED = "declared"  # an endpoint validate did not start, whose /version equals the named wheel's or image's
 BINDING_NONE = "none"  # no artifact named (nothing to publish)
 BINDINGS = (BINDING_INSTALLED, BINDING_IMAGE, BINDING_DECLARED, BINDING_NONE)
 
@@ -205,6 +207,7 @@ for d in md.distributions():
 build = pkg.parent / sys.argv[1]  # the provenance document's path inside the package (provenance.PATH)
 print(json.dumps({
     "location": str(pkg),
+    "root": str(dist.locate_file("")) if dist else None,
     "name": dist.metadata["Name"] if dist else None,
     "version": dist.version if dist else None,
     "record": dist.read_text("RECORD") if dist else None,
@@ -216,6 +219,7 @@ print(json.dumps({
 @dataclass(frozen=True)
 class InstalledVllm:
     location: str
+    root: str | None  # the directory the distribution's files are installed relative to (site-packages)
     name: str | None
     version: str | None
     record: str | None
@@ -236,36 +240,86 @@ def installed_vllm(python: Path, env: Mapping[str, str] | None = None) -> Instal
     return InstalledVllm(**data)
 
 
-def _record_entries(text: str) -> dict[str, str]:
-    """path -> hash for every hashed RECORD row."""
+def installed_problem(installed: InstalledVllm, wheel: Path) -> str | None:
+    """None when every file `wheel` ships is installed, on disk, with the bytes the wheel holds (hashed now, and equal
+    to the wheel's RECORD); else what differs. An installed file edited after the install is a difference: pip's
+    RECORD text would still "match" then, the code would not. Console scripts and `.data/{scripts,headers,data}`
+    are rewritten or placed elsewhere by the installer and are not compared; the package files are."""
+    got = inspect_wheel(wheel, MeasurementError)
+    if installed.root is None or installed.name is None or normalize(installed.name) != got.project:
+        return f"it is {installed.name} {installed.version}, not {got.name}"
+    if installed.version != got.version:
+        return f"it is version {installed.version}, the wheel {got.version}"
+    return _files_differ(Path(installed.root), wheel, got.dist_info, got.record)
+
+
+def _files_differ(root: Path, wheel: Path, dist_info: str, record_bytes_: bytes) -> str | None:
+    """Each package member of `wheel` against the file at its place under `root` and its RECORD row (sha256)."""
+    import base64
     import csv
+    import hashlib
     import io
 
-    rows = csv.reader(io.StringIO(text))
-    return {r[0]: r[1] for r in rows if len(r) >= 2 and r[1]}
-
-
-def wheel_record(wheel: Path) -> str:
+    rows = {r[0]: r[1] for r in csv.reader(io.StringIO(record_bytes_.decode("utf-8", errors="replace"))) if len(r) >= 2}
+    data_dir = dist_info.removesuffix(".dist-info") + ".data/"
+    checked = 0
     with zipfile.ZipFile(wheel) as zf:
-        name = next((n for n in zf.namelist() if n.endswith(".dist-info/RECORD")), None)
-        if name is None:
-            raise MeasurementError(f"{wheel.name} has no RECORD", "pass a wheel built by a standard tool")
-        return zf.read(name).decode()
+        for info in zf.infolist():
+            name = info.filename
+            if name.endswith("/") or name == f"{dist_info}/RECORD":
+                continue
+            rel = name
+            if name.startswith(data_dir):
+                kind, _, rest = name[len(data_dir) :].partition("/")
+                if kind not in ("purelib", "platlib"):
+                    continue
+                rel = rest
+            want = rows.get(name, "")
+            h = hashlib.sha256()
+            try:
+                with zf.open(info) as member:
+                    while chunk := member.read(1 << 20):
+                        h.update(chunk)
+            except (
+                zipfile.BadZipFile,
+                zlib.error,
+                EOFError,
+                OSError,
+                ValueError,
+                RuntimeError,
+                NotImplementedError,
+            ) as exc:
+                return f"the wheel's {name} cannot be read ({str(exc)[:120]})"
+            digest = "sha256=" + base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
+            if want != digest:
+                return f"the wheel's RECORD says {want or 'nothing'} for {name}, its bytes hash to {digest}"
+            disk = root / rel
+            if disk.is_symlink() or not disk.is_file():
+                return f"{rel} is not installed as a file under {root}"
+            if sha256_file(disk) != h.hexdigest():
+                return f"the installed {disk} is not the wheel's {name} (edited or replaced after the install)"
+            checked += 1
+    return None if checked else f"{wheel.name} ships no files to compare"
 
 
 def installed_matches_wheel(installed: InstalledVllm, wheel: Path) -> bool:
-    """True when every file the wheel ships is installed with the same hash (pip only adds rows to RECORD)."""
-    if installed.record is None:
-        return False
-    have = _record_entries(installed.record)
-    want = _record_entries(wheel_record(wheel))
-    return bool(want) and all(have.get(path) == digest for path, digest in want.items())
+    """True when every file the wheel ships is installed with the wheel's bytes (installed_problem)."""
+    return installed_problem(installed, wheel) is None
+
+
+def same_version(a: str, b: str) -> bool:
+    """Equal as PEP 440 versions (`+dflash.01` is `+dflash.1`); a string that is no version equals only itself."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(a) == Version(b)
+    except InvalidVersion:
+        return a == b
 
 
 def wheel_version(wheel: Path) -> str:
-    from packaging.utils import parse_wheel_filename
-
-    return str(parse_wheel_filename(wheel.name)[1])
+    """The version the wheel's own METADATA states."""
+    return inspect_wheel(wheel, MeasurementError).version
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -321,9 +375,11 @@ def launch_subprocess(
     installed = installed_vllm(python, env)
     binding, sha = "none", None
     if wheel is not None:
-        if not installed_matches_wheel(installed, wheel):
+        problem = installed_problem(installed, wheel)
+        if problem is not None:
             raise MeasurementError(
-                f"the vLLM installed for {python} ({installed.name} {installed.version}) is not {wheel.name}",
+                f"the vLLM installed for {python} ({installed.name} {installed.version}) is not {wheel.name}: "
+                f"{problem}",
                 f"pip install --force-reinstall --no-deps {wheel} into that environment, or drop --wheel",
             )
         binding, sha = BINDING_INSTALLED, sha256_file(wheel)
@@ -394,6 +450,22 @@ def image_id(tool: str, image: str) -> str:
     return out if out.startswith("sha256:") else f"sha256:{out}"
 
 
+def image_version(tool: str, image: str) -> tuple[str, str | None]:
+    """The image's ID and the version its OCI label declares (None: no label), from one inspect of it."""
+    from vllm_dflash.errors import DflashError
+    from vllm_dflash.pipeline.image import LABEL_VERSION, ImageOptions, image_labels, inspect_image
+
+    try:
+        info = inspect_image(tool, ImageOptions(), image)
+    except DflashError as exc:
+        raise MeasurementError(f"cannot inspect image {image}: {exc.message}", f"build or pull {image} first") from None
+    except ValueError as exc:
+        raise MeasurementError(f"cannot inspect image {image}: {exc}", f"build or pull {image} first") from None
+    found = str(info.get("Id") or "")
+    digest = found if found.startswith("sha256:") else f"sha256:{found}"
+    return digest, image_labels(info).get(LABEL_VERSION)
+
+
 @contextlib.contextmanager
 def launch_container(
     spec: LaunchSpec, opts: ContainerOptions, host: str = "127.0.0.1", port: int | None = None
@@ -401,7 +473,9 @@ def launch_container(
     digest = image_id(opts.tool, opts.image)
     port = port or free_port(host)
     name = f"vllm-dflash-validate-{uuid.uuid4().hex[:8]}"
-    proc.call(*container_run_command(opts, spec, name, host, port), error=MeasurementError, capture=True)
+    # Run the very image that was inspected, by its ID: the tag may be moved to another image in between.
+    by_id = ContainerOptions(**{**opts.__dict__, "image": digest})
+    proc.call(*container_run_command(by_id, spec, name, host, port), error=MeasurementError, capture=True)
     base_url = f"http://{host}:{port}"
 
     def alive() -> bool:
@@ -447,7 +521,7 @@ def use_endpoint(
                 file=sys.stderr,
                 flush=True,
             )
-        elif version != wheel_version(wheel):
+        elif not same_version(version, wheel_version(wheel)):
             raise MeasurementError(
                 f"{base_url} runs vLLM {version}, but --wheel {wheel.name} is version {wheel_version(wheel)}",
                 "serve the wheel you want to validate, or launch it with validate's subprocess mode",
@@ -455,7 +529,23 @@ def use_endpoint(
         else:
             kind, name, sha, binding = "wheel", wheel.name, sha256_file(wheel), BINDING_DECLARED
     elif image is not None:
-        kind, name, sha, binding = "image", image, image_id(tool, image), BINDING_DECLARED
+        # As for a wheel: the version the endpoint reports must be the one the image declares (its OCI version
+        # label, read from the inspected image together with its ID); else nothing ties the two.
+        inspected, declared = image_version(tool, image)
+        if version is None or declared is None:
+            print(
+                f"warning: {base_url} answers no /version, or --image {image} declares no version label: nothing "
+                "ties the endpoint to it, so the report names no artifact (launch it with --image to bind it)",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif not same_version(version, declared):
+            raise MeasurementError(
+                f"{base_url} runs vLLM {version}, but --image {image} declares version {declared}",
+                "serve the image you want to validate, or launch it with validate's container mode",
+            )
+        else:
+            kind, name, sha, binding = "image", image, inspected, BINDING_DECLARED
     yield RunningServer(
         base_url=base_url,
         provenance=Provenance(

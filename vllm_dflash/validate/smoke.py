@@ -305,8 +305,8 @@ def _matching(got: Mapping[str, str], want: Mapping[str, str]) -> dict[str, Any]
     return {"matches": matches, "rate": matches / len(want) if want else 0.0, "mismatches": mismatches}
 
 
-def _comparison(m: Measurement, reference: Reference | None, k: int) -> dict[str, Any]:
-    acc = metrics.acceptance(m.delta, k)
+def _comparison(m: Measurement, reference: Reference | None, k: int, method: str) -> dict[str, Any]:
+    acc = metrics.acceptance(m.delta, k, method)
     out: dict[str, Any] = {"server": dict(m.server), "counters": m.delta.as_dict(), "acceptance": acc.as_dict()}
     out["throughput"] = {
         "output_tokens": m.run.output_tokens,
@@ -388,7 +388,7 @@ def validate(
             "tokens_per_s": m.run.tokens_per_s,
         }
         # MeasurementError on no speculation, zero drafts, or counts no vLLM can produce.
-        acc = metrics.acceptance(delta, profile.num_speculative_tokens)
+        acc = metrics.acceptance(delta, profile.num_speculative_tokens, profile.method)
         body["acceptance"] = acc.as_dict()
         serving = body["serving"]
         serving["observed_in_metrics"] = dict(m.before.observed) or None
@@ -416,7 +416,7 @@ def validate(
                 body["mismatch_analysis"] = ref.explain(lossless["mismatches"], m.texts())
         if others:
             body["comparisons"] = {
-                name: _comparison(o, ref, profile.num_speculative_tokens) for name, o in others.items()
+                name: _comparison(o, ref, profile.num_speculative_tokens, profile.method) for name, o in others.items()
             }
         body["per_prompt"] = _per_prompt(m, others, ref)
         verdicts = judge(profile, acc, match_rate, ref.acceptance_length if ref is not None else None)
