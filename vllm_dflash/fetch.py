@@ -40,8 +40,8 @@ def sha256_file(path: Path, error: type[DflashError] = StorageError) -> str:
 
 
 def _open(url: str, accept: str | None = None):  # type: ignore[no-untyped-def]
-    req = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
     try:
+        req = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
         return urllib.request.urlopen(req, timeout=60)
     except urllib.error.HTTPError as exc:
         raise NetworkError(f"{url}: HTTP {exc.code} {exc.reason}", "check the name and the index URL") from None

@@ -35,8 +35,7 @@ class TooLarge(TransportError):
     """The answer exceeded the caller's limit (an endless stream is one)."""
 
 
-def _shut(conn: http.client.HTTPConnection) -> None:
-    sock = conn.sock
+def _shut(sock: socket.socket | None) -> None:
     if sock is not None:
         try:
             sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv/send on it at once
@@ -50,14 +49,14 @@ class Session:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._open: set[http.client.HTTPConnection] = set()
+        self._open: list[list[socket.socket | None]] = []  # one holder per request: its socket once connected
         self.aborted = threading.Event()
 
     def abort(self) -> None:
         self.aborted.set()
         with self._lock:
-            for conn in list(self._open):
-                _shut(conn)
+            for holder in self._open:
+                _shut(holder[0])
 
     def request(
         self,
@@ -80,18 +79,22 @@ class Session:
         except (ValueError, http.client.HTTPException) as exc:  # checked URLs never get here
             raise TransportError(f"bad URL: {exc}") from None
         expired = threading.Event()
+        # The socket itself, not conn.sock: http.client hands the socket to the response and forgets it (conn.sock
+        # is None once the headers of a `Connection: close` answer are read), but the body is still to come.
+        holder: list[socket.socket | None] = [None]
 
         def watchdog() -> None:
             expired.set()
-            _shut(conn)
+            _shut(holder[0])
 
         timer = threading.Timer(deadline_s, watchdog)
         timer.daemon = True
         with self._lock:
-            self._open.add(conn)
+            self._open.append(holder)
         timer.start()
         try:
             conn.connect()  # a name lookup cannot be interrupted: its time is checked once it is done
+            holder[0] = conn.sock
             if expired.is_set() or self.aborted.is_set():
                 raise OSError("deadline")
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -99,7 +102,7 @@ class Session:
             resp = conn.getresponse()
             chunks: list[bytes] = []
             size = 0
-            while chunk := _read(conn, resp, end):
+            while chunk := _read(holder[0], resp, end):
                 size += len(chunk)
                 if size > limit:
                     raise TooLarge(f"the answer is larger than {_size(limit)}")
@@ -118,17 +121,17 @@ class Session:
         finally:
             timer.cancel()
             with self._lock:
-                self._open.discard(conn)
+                self._open.remove(holder)
             conn.close()
 
 
-def _read(conn: http.client.HTTPConnection, resp: http.client.HTTPResponse, end: float) -> bytes:
+def _read(sock: socket.socket | None, resp: http.client.HTTPResponse, end: float) -> bytes:
     left = end - time.monotonic()
     if left <= 0:
         raise OSError("deadline")
-    if conn.sock is not None:  # each read waits at most what is left of the deadline
-        conn.sock.settimeout(left)
-    return resp.read(_CHUNK)
+    if sock is not None:  # each read waits at most what is left of the deadline (the watchdog ends it anyway)
+        sock.settimeout(left)
+    return resp.read1(_CHUNK)  # what has arrived (read() would wait for all of a large Content-Length)
 
 
 def _size(n: int) -> str:
