@@ -3,6 +3,7 @@ and never echoed with a password in them."""
 
 from __future__ import annotations
 
+import re
 from urllib.parse import SplitResult, urlsplit
 
 from vllm_dflash.errors import DflashError
@@ -11,17 +12,13 @@ MAX_URL = 2048  # far above any server or index URL; longer is a paste gone wron
 _OPENAI_SUFFIX = "/v1"  # what users paste from an OpenAI client's base_url
 
 
+_USERINFO = re.compile(r"([^/?#@:]*):([^/?#@]*)@")
+
+
 def redact(url: str) -> str:
-    """`url` with any password replaced by `***` (`https://user:***@host/`): what messages and logs may show."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    authority, slash, tail = rest.partition("/")
-    userinfo, at, host = authority.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    user = userinfo.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}{slash}{tail}"
+    """`url` with anything that may be a password replaced by `***` (`https://user:***@host/`, also without a
+    scheme or with a malformed rest: every `name:secret@`): what messages and logs may show."""
+    return _USERINFO.sub(r"\1:***@", url)
 
 
 def split(url: str, flag: str, error: type[DflashError], example: str) -> SplitResult:
