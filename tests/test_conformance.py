@@ -377,6 +377,141 @@ def test_judge_verdicts() -> None:
     assert not compare.judge(spec, "stock", _metrics(spec, 4.0), tol).as_expected
 
 
+def _with(m: dict[str, Any], **main: Any) -> dict[str, Any]:
+    return {**m, "main": {**m["main"], **main}}
+
+
+def test_judge_fails_each_branch_on_its_bad_case_and_passes_its_boundary() -> None:
+    """Every reason judge() gives, fed the metrics that must trigger it (and only it), and the same metrics at the
+    edge of the bound passing: a failure path nobody feeds is one a broken build walks through."""
+    tol = C.TOLERANCES["cpu"]
+    mixed = C.get_cases(["mixed"])[0]
+    good = _metrics(mixed, 5e-6)
+    assert compare.judge(mixed, "patched", good, tol).reasons == ()
+
+    def fails(metrics: dict[str, Any], words: str, spec: C.CaseSpec = mixed) -> None:
+        o = compare.judge(spec, "patched", metrics, tol)
+        assert o.status == "fail" and not o.as_expected and len(o.reasons) == 1 and words in o.reasons[0], o.reasons
+
+    def passes(metrics: dict[str, Any], spec: C.CaseSpec = mixed) -> None:
+        o = compare.judge(spec, "patched", metrics, tol)
+        assert o.status == "pass" and o.as_expected, o.reasons
+
+    fails({**good, "steps": 0}, "no drafter proposals recorded")
+    passes({**good, "steps": 1})
+    problems = ["step 0 (request 0, start 9): bonus token [3] is not the request's verified token 4", "b", "c", "d"]
+    o = compare.judge(mixed, "patched", {**good, "trace_consistent": False, "trace_problems": problems}, tol)
+    assert o.status == "fail" and o.reasons == tuple(problems[:3]), o.reasons
+    fails(_with(good, max_abs=tol.max_abs_logit * 1.01), "max |dlogit|")
+    passes(_with(good, max_abs=tol.max_abs_logit))  # the bound itself passes
+    fails(_with(good, argmax_agree=8), "argmax differs at 1 position(s)")
+    fails(_with(good, argmax_agree=0, argmax_total=0), "argmax compared at 0 position(s) < 1")
+    passes(_with(good, argmax_agree=1, argmax_total=1))
+    fails({**good, "lossless": False}, "differ from the target's plain greedy output")
+    fails({**good, "lossless_requests_compared": 0}, "lossless compared on 0 request(s) < 1")
+    passes({**good, "lossless_requests_compared": 1})
+    fails({**good, **_serving_metrics(num_proposals_recorded=15)}, "15 proposals recorded")
+    passes({**good, **_serving_metrics()})
+    # bf16: a deficit below the fp32 target's best logit is the reason, not an exact comparison.
+    bf16, btol = C.get_cases(["bf16"])[0], C.CPU_BF16_TOLERANCE
+    o = compare.judge(bf16, "patched", _bf16_metrics(lossless=False, lossless_max_deficit=0.5), btol)
+    assert o.reasons == ("a generated token is 0.5 below the fp32 target's best logit (> 0.3): not the target's "
+                         "greedy choice",), o.reasons  # fmt: skip
+    few = btol.min_argmax_positions
+    assert compare.judge(bf16, "patched", _bf16_metrics(argmax_agree=few, argmax_total=few), btol).as_expected
+
+
+def test_judge_zero_lm_head_needs_every_draft_accepted() -> None:
+    tol, zero = C.TOLERANCES["cpu"], C.get_cases(["zero-lm-head"])[0]
+    assert compare.judge(zero, "patched", _metrics(zero, 0.0, accepted=9), tol).as_expected
+    for bad in (_metrics(zero, 0.0, accepted=8), {**_metrics(zero, 0.0), "num_drafts": 0, "num_accepted_tokens": 0}):
+        o = compare.judge(zero, "patched", bad, tol)
+        assert o.status == "fail" and any("every draft should be accepted" in r for r in o.reasons), o.reasons
+    # zero-lm-head may pass or fail on stock ("any"): either is as expected.
+    assert compare.judge(zero, "stock", _metrics(zero, 0.0, accepted=8), tol).as_expected
+
+
+def test_judge_negative_controls_and_the_stock_model() -> None:
+    """A negative control at exactly negative_min agrees (the bound is strict); the stock-semantics variant is
+    reported, never counted as a control, whatever its value."""
+    tol, mixed = C.TOLERANCES["cpu"], C.get_cases(["mixed"])[0]
+    m = _metrics(mixed, 5e-6)
+    edge = {**m, "variants": {**m["variants"], "full-attention": {**m["main"], "max_abs": tol.negative_min}}}
+    o = compare.judge(mixed, "patched", edge, tol)
+    assert o.status == "pass" and not o.as_expected, o
+    assert o.reasons == (f"negative-control oracle(s) full-attention AGREE with the build (<= {tol.negative_min:g})",)
+    close = {**m, "variants": {**m["variants"], C.STOCK_MODEL: {**m["main"], "max_abs": 1e-9}}}
+    o = compare.judge(mixed, "patched", close, tol)
+    assert o.as_expected and o.stock_model_max_abs == 1e-9 and C.STOCK_MODEL not in {n.name for n in o.negatives}
+    assert {n.name for n in o.negatives} == set(mixed.negatives) and all(n.disagrees for n in o.negatives)
+
+
+def test_judge_stock_must_fail_far_off_not_just_over_the_tolerance() -> None:
+    tol, mixed = C.TOLERANCES["cpu"], C.get_cases(["mixed"])[0]
+    for near in (2e-3, tol.negative_min):  # over the tolerance, but not beyond a negative control's bound
+        o = compare.judge(mixed, "stock", _metrics(mixed, near), tol)
+        assert o.status == "fail" and not o.as_expected, (near, o)
+    far = compare.judge(mixed, "stock", _metrics(mixed, tol.negative_min * 1.01), tol)
+    assert far.status == "fail" and far.as_expected
+    passed = compare.judge(mixed, "stock", _metrics(mixed, 5e-6), tol)
+    assert not passed.as_expected and passed.reasons == ("stock 0.20.1 PASSED a case it must fail: the case no longer "
+                                                         "tests the bug",)  # fmt: skip
+    # A stock run that fails for another reason (no steps) while far off is still the expected failure.
+    assert compare.judge(mixed, "stock", {**_metrics(mixed, 4.0), "steps": 0}, tol).as_expected
+
+
+def test_judge_reports_prefix_hits_only_for_prefix_caching_cases() -> None:
+    tol = C.TOLERANCES["cpu"]
+    mixed, prefix = C.get_cases(["mixed"])[0], C.get_cases(["prefix-cached"])[0]
+    m = {**_metrics(mixed, 5e-6), "prefix_cache_hits": 96}
+    assert compare.judge(mixed, "patched", m, tol).prefix_cache_hits is None
+    o = compare.judge(prefix, "patched", {**m, **_serving_metrics()}, tol)
+    assert o.prefix_cache_hits == 96 and o.proposals_unverified == 4 and o.proposals_recorded == 14
+
+
+def test_judge_errors_say_why() -> None:
+    tol, mixed = C.TOLERANCES["cpu"], C.get_cases(["mixed"])[0]
+    assert compare.judge(mixed, "patched", None, tol).reasons == ("no metrics",)
+    assert compare.judge(mixed, "patched", None, tol, "vLLM exited 1").reasons == ("vLLM exited 1",)
+    refuse = C.get_cases(["refuse-no-window"])[0]
+    assert compare.judge_refusal(refuse, "patched", None).reasons == ("no trace",)
+    assert compare.judge_refusal(refuse, "patched", None, "vLLM exited 1").reasons == ("vLLM exited 1",)
+    bf16 = C.get_cases(["bf16"])[0]
+    assert compare.judge_unproven(bf16, "patched", "x").expected == "pass"
+    stock = compare.judge_unproven(bf16, "stock", "x")
+    assert stock.expected == bf16.expect_stock == "fail" and stock.unproven and stock.reasons[0].endswith(": x")
+    assert compare._unverified({}) is None and compare._unverified({"proposals_by_kind": {"prefill": 2}}) == 2
+
+
+def test_serving_checks_at_their_boundaries() -> None:
+    """The accepted-token span is inclusive at both ends and fails one past either; the proposal count compares
+    exactly; the prefix-cache check needs prefix caching AND rounds; chunk counts and the window at their edges."""
+    chunked, prefix = C.get_cases(["chunked"])[0], C.get_cases(["prefix-cached"])[0]
+    span = {"accepted_from_drafts": [10, 14]}
+    for accepted, ok in ((9, False), (10, True), (12, True), (14, True), (15, False)):
+        got = compare.serving_problems(chunked, _serving_metrics(num_accepted_tokens=accepted, **span))
+        assert (got == []) == ok, (accepted, got)
+        if not ok:
+            assert got == [f"vLLM accepted {accepted} tokens; the recorded draft ids imply 10..14"]
+    for recorded in (13, 15):
+        assert len(compare.serving_problems(chunked, _serving_metrics(num_proposals_recorded=recorded))) == 1
+    # Prefix caching checked only with prefix caching and more than one round.
+    one_round = dataclasses.replace(prefix, rounds=1)
+    assert compare.serving_problems(one_round, _serving_metrics(prefix_cache_hits_by_round=[])) == []
+    no_cache = dataclasses.replace(prefix, prefix_caching=False)
+    assert compare.serving_problems(no_cache, _serving_metrics(prefix_cache_hits_by_round=[])) == []
+    assert len(compare.serving_problems(prefix, _serving_metrics(prefix_cache_hits_by_round=[32]))) == 1
+    assert compare.serving_problems(prefix, _serving_metrics(prefix_cache_hits_by_round=[32, 33])) == []
+    # Chunks: exactly min_prefill_chunks (3: two boundaries) passes; the window: the last boundary at the window's
+    # edge (69 - 8 = 61) is outside it, one past it inside.
+    assert compare.serving_problems(chunked, _serving_metrics(prefill_starts=[[22, 62]])) == []
+    edge = compare.serving_problems(chunked, _serving_metrics(prefill_starts=[[22, 61]]))
+    assert edge == ["request 0: the last chunk boundary 61 is outside the first proposal's window"], edge
+    assert compare.serving_problems(chunked, _serving_metrics(prefill_starts=[[62]])) == [
+        "request 0: prompt prefilled in 2 chunk(s) < 3"
+    ]
+
+
 def test_judge_refusals() -> None:
     spec = C.get_cases(["refuse-no-window"])[0]
     line = f"ValueError: DFlash drafter config: layer 0 ... {spec.refusal} (got None); set ..."
