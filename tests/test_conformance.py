@@ -256,8 +256,14 @@ for start in (len(prompt), len(prompt) + 5):
 summary = {"outputs": [output], "request_prompts": [0], "num_drafts": 2, "num_proposals_recorded": 2}
 
 
-def run(name, edit, summary=summary, tol=O.C.TOLERANCES["cpu"]):
-    recs = json.loads(json.dumps(lines))
+def run(name, edit, summary=summary, tol=O.C.TOLERANCES["cpu"], extra=(), drafts=""):
+    recs = json.loads(json.dumps(lines)) + [dict(e) for e in extra]
+    for r in recs[: len(lines)]:
+        cont = seq[r["block_start"] + 1 : r["block_start"] + 1 + orc.k]
+        if drafts == "continuation":
+            r["draft_ids"] = cont
+        elif drafts == "wrong-first":
+            r["draft_ids"] = [(cont[0] + 1) % 512, *cont[1:]]
     edit(recs[0])
     path = out_dir / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in [*recs, {"summary": summary}]))
@@ -265,7 +271,15 @@ def run(name, edit, summary=summary, tol=O.C.TOLERANCES["cpu"]):
     return {"consistent": m.trace_consistent, "problems": m.trace_problems, "agree": m.main.argmax_agree,
             "total": m.main.argmax_total, "max_abs": m.main.max_abs, "lossless": m.lossless,
             "lossless_requests": m.lossless_requests, "compared": m.lossless_requests_compared,
-            "deficit": m.lossless_max_deficit, "positions": m.positions}
+            "deficit": m.lossless_max_deficit, "positions": m.positions, "kinds": m.proposals_by_kind,
+            "recorded": m.num_proposals_recorded, "steps": m.steps, "span": m.accepted_from_drafts}
+
+
+# A proposal drafted from a bonus token max_tokens cut off: a line without logits to recompute.
+beyond = {"request": 0, "kind": "beyond-output", "token_ids": [*seq, 1], "context_len": len(seq),
+          "block_start": len(seq), "block_input_ids": [1] + [mask] * orc.k,
+          "block_positions": list(range(len(seq), len(seq) + orc.k + 1)), "logits": [], "draft_ids": [0] * orc.k}
+three = {**summary, "num_proposals_recorded": 3}
 
 
 # An output that is not the target's greedy one past the checked steps (its last token changed): not lossless.
@@ -294,6 +308,16 @@ result = {
     # replaced by the one the target likes least there must fail it.
     "bf16_valid": run("bf16_valid", lambda r: None, tol=O.C.CPU_BF16_TOLERANCE),
     "bf16_worst": run("bf16_worst", lambda r: None, {**summary, "outputs": [worst]}, tol=O.C.CPU_BF16_TOLERANCE),
+    # The span of accepted tokens the drafts imply: drafts equal to the output's continuation are all accepted
+    # (k per verified line), a first draft that differs accepts none.
+    "accept_all": run("accept_all", lambda r: None, drafts="continuation"),
+    "accept_none": run("accept_none", lambda r: None, drafts="wrong-first"),
+    "kind": run("kind", lambda r: r.__setitem__("kind", "prefill")),
+    "tally": run("tally", lambda r: None, three),
+    "beyond": run("beyond", lambda r: None, three, extra=[beyond]),
+    "beyond_far": run("beyond_far", lambda r: None, three, extra=[{**beyond, "block_start": len(seq) + orc.k + 1,
+                      "context_len": len(seq) + orc.k + 1, "block_positions": list(range(len(seq) + orc.k + 1,
+                      len(seq) + 2 * orc.k + 2))}]),
     "greedy": {"checked": checked == scratch == output, "fallback": fallback == scratch != wrong,
                "gap_diff": max(abs(a - b) for a, b in zip(gaps, scratch_gaps))},
 }
@@ -318,6 +342,17 @@ def test_trace_check_compares_with_what_the_recorder_did_not_build(
         assert not got[name]["consistent"] and word in got[name]["problems"][0], (name, got[name])
     assert not got["no_drafts"]["consistent"] and "no draft ids" in got["no_drafts"]["problems"][0]
     assert got["drafts"]["consistent"] and got["drafts"]["agree"] == got["drafts"]["total"] - 1, got["drafts"]
+    # Proposals are counted from the lines checked, each kind recomputed; the driver's tally must agree.
+    assert valid["kinds"] == {"verified": 2, "prefill": 0, "cut-off": 0, "beyond-output": 0} and valid["recorded"] == 2
+    assert not got["kind"]["consistent"] and "recorded as prefill, is verified" in got["kind"]["problems"][0]
+    assert not got["tally"]["consistent"] and "the driver counted 3 proposals, the trace holds 2" in got["tally"][
+        "problems"][0]  # fmt: skip
+    beyond = got["beyond"]
+    assert beyond["consistent"] and beyond["kinds"]["beyond-output"] == 1 and beyond["recorded"] == 3, beyond
+    assert beyond["steps"] == 2, "a line without logits is counted, never compared"
+    assert not got["beyond_far"]["consistent"] and "past the output's end" in got["beyond_far"]["problems"][0]
+    k = C.get_cases(["mixed"])[0].num_speculative_tokens
+    assert got["accept_all"]["span"] == [2 * k, 2 * k] and got["accept_none"]["span"] == [0, 0], got["accept_all"]
     # Lossless from one forward per request: the greedy output passes, one changed token fails (the check falls back
     # to the from-scratch greedy loop, which disagrees with it), and the gaps are the from-scratch loop's.
     assert valid["lossless"] and valid["lossless_requests"] == 1, valid
@@ -785,6 +820,32 @@ def test_conformance_patched_passes_and_stock_fails(tmp_path: Path) -> None:
         assert data["unproven"] == unproven
     else:
         assert run.returncode == 0 and data["ok"] and data["verdict"] == "pass"
+
+
+@pytest.mark.heavy
+@pytest.mark.network
+def test_the_run_catches_vllm_proposing_ids_other_than_the_drafters_argmax(tmp_path: Path) -> None:
+    """vLLM made to propose, for every request, a first draft id other than the argmax of the logits its drafter
+    computed (the recorder's test-only VLLM_DFLASH_RECORDER_PERTURB): the patched build FAILS the case on the argmax
+    check alone -- the tokens vLLM accepted are still those the recorded drafts imply (the recorder stored what vLLM
+    proposed: a recorder storing the argmax of its logits would pass the argmax check and fail the span), the
+    proposal count still matches and the output is still lossless (vLLM verified what it was given). The control
+    is the same case unperturbed in test_conformance_patched_passes_and_stock_fails."""
+    import os
+
+    report = tmp_path / "perturbed.json"
+    env = {**os.environ, "VLLM_DFLASH_RECORDER_PERTURB": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm_dflash", "--root", str(REPO), "conformance", "--build", "patched", "--cases",
+         "mixed", "--report", str(report)],
+        text=True, env=env,
+    )  # fmt: skip
+    assert run.returncode == compare.FAILED_EXIT
+    (o,) = json.loads(report.read_text())["outcomes"]
+    assert (o["case"], o["build"], o["status"], o["as_expected"]) == ("mixed", "patched", "fail", False), o
+    assert len(o["reasons"]) == 1 and o["reasons"][0].startswith("argmax differs at "), o["reasons"]
+    assert o["argmax_agree"] < o["argmax_total"] and o["max_abs"] <= C.TOLERANCES["cpu"].max_abs_logit, o
+    assert o["lossless"] and o["proposals_recorded"] == o["num_drafts"] + o["proposals_unverified"], o
 
 
 def test_cli_refuses_a_missing_wheel_with_one_line(tmp_path: Path) -> None:

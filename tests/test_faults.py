@@ -138,6 +138,8 @@ CASES: list[tuple[str, Callable[[Checkout], None] | None, list[str], int, str]] 
      ["validate", "--profile", "x", "--profile-file", "{root}/p.toml"], 3, "nests arrays or tables deeper"),
     ("validate-image-option", None, ["validate", "--profile", "qwen3-8b", "--image=--privileged"], 2,
      "has the part '--privileged'"),
+    ("validate-python-not-python", None, ["validate", "--profile", "qwen3-8b", "--python", "/bin/true"], 2,
+     "did not answer the probe"),
     ("publish-to-ipv6", None, ["publish", "x.whl", "--to", "http://[::1"], 12, "not a URL (Invalid IPv6 URL)"),
     ("publish-to-password", None, ["publish", "x.whl", "--to", f"https://u:{SECRET}@upload.example/legacy/"], 12,
      "carries a password"),

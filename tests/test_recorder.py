@@ -143,3 +143,37 @@ def test_a_step_with_fewer_rows_than_drafts_is_refused() -> None:
     assert recorder.requests_of(object(), 2) == [{"req_id": None, "prompt_len": None, "prompt_sha": None}] * 2
     empty = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["x"]), requests={})
     assert recorder.requests_of(empty, 1) == [{"req_id": "x", "prompt_len": 0, "prompt_sha": None}]
+
+
+def test_install_wraps_vllms_classes_only_with_a_record_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """install() finds the drafter model, the proposer and the runner where vLLM 0.20.1 keeps them (stand-in modules
+    here; the conformance runs use the real ones) and wraps them only when a record file is named."""
+    import types
+
+    d = type("D", (Drafter,), {"argmax": [1, 2]})
+    p = type("P", (Proposer,), {})
+    r = type("R", (Runner,), {})
+    where = {
+        "vllm.model_executor.models.qwen3_dflash": ("DFlashQwen3ForCausalLM", d),
+        "vllm.v1.spec_decode.dflash": ("DFlashProposer", p),
+        "vllm.v1.worker.gpu_model_runner": ("GPUModelRunner", r),
+    }
+    for name, (attr, cls) in where.items():
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            mod = sys.modules.get(".".join(parts[:i])) or types.ModuleType(".".join(parts[:i]))
+            monkeypatch.setitem(sys.modules, ".".join(parts[:i]), mod)
+            if i > 1:
+                setattr(sys.modules[".".join(parts[: i - 1])], parts[i - 1], mod)
+        setattr(sys.modules[name], attr, cls)
+    monkeypatch.delenv(recorder.RECORD_FILE_VAR, raising=False)
+    recorder.install()
+    assert not getattr(d, "_vllm_dflash_recorder", False), "wrapped without a record file"
+    monkeypatch.setenv(recorder.RECORD_FILE_VAR, str(tmp_path / "r.jsonl"))
+    recorder.install()
+    assert (
+        d._vllm_dflash_recorder
+        and d.forward is not Drafter.forward
+        and d.compute_logits is not (Drafter.compute_logits)
+    )
+    assert p.propose is not Proposer.propose and r.propose_draft_token_ids is not Runner.propose_draft_token_ids

@@ -222,7 +222,15 @@ def installed_vllm(python: Path, env: Mapping[str, str] | None = None) -> Instal
     out = proc.call(
         python, "-c", _INSTALLED_PROBE, prov.PATH, env=env, capture=True, error=MeasurementError, quiet=True
     ).stdout
-    data = json.loads(out.strip().splitlines()[-1])
+    try:
+        data = json.loads((out.strip().splitlines() or [""])[-1])
+    except ValueError:
+        data = {}
+    if data == {} or (data is not None and not isinstance(data, dict)):
+        raise MeasurementError(
+            f"{python} did not answer the probe of its vLLM (not a Python interpreter?)",
+            "pass --python the interpreter of the environment that holds the wheel",
+        )
     if data is None:
         raise MeasurementError(f"{python} cannot import vllm", "install the wheel to validate into that environment")
     raw = data.pop("build_info")
