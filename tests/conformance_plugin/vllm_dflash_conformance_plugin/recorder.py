@@ -47,10 +47,8 @@ def _tp_rank() -> int:
 
 
 def _lists(x: Any) -> Any:
-    """A tensor (or nested sequence) as plain lists of Python numbers."""
-    if hasattr(x, "detach"):
-        return x.detach().float().cpu().tolist() if x.is_floating_point() else x.detach().cpu().tolist()
-    return [_lists(v) for v in x] if isinstance(x, list | tuple) else x
+    """A tensor as plain (nested) lists of Python numbers (a bf16 tensor's too); anything else as it is."""
+    return x.detach().cpu().tolist() if hasattr(x, "detach") else x
 
 
 def requests_of(runner: Any, batch: int) -> list[dict[str, Any]]:
