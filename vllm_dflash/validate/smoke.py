@@ -217,8 +217,8 @@ def run_prompts(base_url: str, profile: Profile, prompts: Sequence[Prompt], show
         try:
             for t in threads:
                 t.start()
-            while any(t.is_alive() for t in threads):
-                threads[0].join(0.2)  # a bounded wait: Ctrl-C reaches this thread at once
+            while alive := [t for t in threads if t.is_alive()]:
+                alive[0].join(0.2)  # a bounded wait: Ctrl-C reaches this thread at once
                 progress.update(task, completed=sum(r is not None for r in results))
         except BaseException:
             session.abort()
