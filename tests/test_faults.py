@@ -143,6 +143,8 @@ CASES: list[tuple[str, Callable[[Checkout], None] | None, list[str], int, str]] 
     ("publish-to-ipv6", None, ["publish", "x.whl", "--to", "http://[::1"], 12, "not a URL (Invalid IPv6 URL)"),
     ("publish-to-password", None, ["publish", "x.whl", "--to", f"https://u:{SECRET}@upload.example/legacy/"], 12,
      "carries a password"),
+    ("publish-image-option", None, ["publish", "--to=--all-tags", "vllm-dflash:1"], 12, "'--all-tags'"),
+    ("publish-image-upper", None, ["publish", "Ml/vllm:1", "--to", "registry.example.com/ml/vllm:1"], 12, "'Ml'"),
     ("publish-to-nul", None, ["publish", "x.whl", "--to", "file:///tmp/%00x"], 12, "NUL byte"),
     ("doctor-config-nested", _write("d/config.json", b"[" * 100_000), ["doctor", "{root}/d"], 18, "nests deeper"),
     ("doctor-config-bigint", _write("d/config.json", b'{"num_hidden_layers": ' + b"9" * 5000 + b"}"),
