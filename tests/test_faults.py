@@ -145,7 +145,7 @@ CASES: list[tuple[str, Callable[[Checkout], None] | None, list[str], int, str]] 
      "carries a password"),
     ("publish-image-option", None, ["publish", "--to=--all-tags", "vllm-dflash:1"], 12, "'--all-tags'"),
     ("publish-image-upper", None, ["publish", "Ml/vllm:1", "--to", "registry.example.com/ml/vllm:1"], 12, "'Ml'"),
-    ("publish-to-nul", None, ["publish", "x.whl", "--to", "file:///tmp/%00x"], 12, "NUL byte"),
+    ("publish-to-nul", None, ["publish", "x.whl", "--to", "file:///index/%00x"], 12, "NUL byte"),
     ("doctor-config-nested", _write("d/config.json", b"[" * 100_000), ["doctor", "{root}/d"], 18, "nests deeper"),
     ("doctor-config-bigint", _write("d/config.json", b'{"num_hidden_layers": ' + b"9" * 5000 + b"}"),
      ["doctor", "{root}/d"], 18, "not JSON"),

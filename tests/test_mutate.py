@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import mutate  # noqa: E402 -- benchmarks/ is not a package
 
-JUDGE = '''\
+JUDGE = """\
 def verdict(al: float, floor: float, k: int) -> list[str]:
     reasons = []
     if al < floor:
@@ -31,7 +31,7 @@ def passed(reasons: list[str]) -> bool:
 
 def unused(x: int) -> bool:
     return x == 3
-'''
+"""
 
 WEAK = """\
 from pkg.judge import passed, verdict
@@ -95,7 +95,9 @@ def _project(tmp: Path, tests: str) -> Path:
 
 
 def _tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
+    }
 
 
 @pytest.mark.parametrize("strength", ["weak", "strong"])
