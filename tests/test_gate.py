@@ -9,6 +9,7 @@ cut below k fail the draft-fill gate with a line saying what to raise.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -83,6 +84,7 @@ class Fake:
     version: str | None = None  # /version (None: 404)
     endless_metrics: bool = False  # /metrics streams without end
     keep_alive: bool = False  # answer as HTTP/1.1: a connection stays open unless the client asks otherwise
+    content: str = "ok"  # every chat completion's text
     scrapes: int = 0
     paths: list[str] = field(default_factory=list)
     connections: list[tuple[int, str | None]] = field(default_factory=list)  # (client port, Connection header)
@@ -90,8 +92,12 @@ class Fake:
 
 @pytest.fixture
 def fake() -> Iterator[tuple[str, Fake]]:
-    state = Fake()
+    with fake_server(Fake()) as served:
+        yield served
 
+
+@contextlib.contextmanager
+def fake_server(state: Fake) -> Iterator[tuple[str, Fake]]:
     class Handler(BaseHTTPRequestHandler):
         def setup(self) -> None:
             super().setup()
@@ -143,7 +149,9 @@ def fake() -> Iterator[tuple[str, Fake]]:
                 "object": "chat.completion",
                 "created": 0,
                 "model": "tiny",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": state.content}, "finish_reason": "stop"}
+                ],
                 "usage": {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11},
             }
             self._send(200, json.dumps(doc).encode())
@@ -278,6 +286,31 @@ def test_cut_drafts_fail_the_draft_fill_gate(fake: tuple[str, Fake], root: Path,
     assert "runs with other settings than the profile's" in warn[0] and "--max-num-batched-tokens >= 48" in warn[0]
     data = loads_strict(report.read_bytes())
     assert [g["gate"] for g in data["gates"] if not g["passed"]] == ["draft_fill"]
+
+
+def test_outputs_that_differ_from_the_baseline_fail_the_lossless_gate(fake: tuple[str, Fake], tmp_path: Path) -> None:
+    """min_match_rate through the CLI: the speculative server's outputs differ from the no-speculation baseline's on
+    every prompt, so the rate is 0 and the gate fails (exit 1, the only failed gate); the same baseline answering
+    the same text passes (rate 1.0); without a baseline the gate cannot pass."""
+    url, state = fake
+    root = checkout_requiring(tmp_path / "lossless", {PROFILE: {**TABLE, "min_match_rate": 0.5}})
+    report = tmp_path / "r.json"
+    with fake_server(Fake(content="another answer")) as (base_url, base):
+        run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--baseline-endpoint", base_url,
+                  "--report", report, "--quiet")  # fmt: skip
+        assert run.returncode == 1, run.stdout + run.stderr
+        data = loads_strict(report.read_bytes())
+        gate = next(g for g in data["gates"] if g["gate"] == "min_match_rate")
+        assert [g["gate"] for g in data["gates"] if not g["passed"]] == ["min_match_rate"]
+        assert (gate["value"], gate["threshold"]) == (0.0, 0.5) and data["baseline"]["lossless_matches"] == 0
+        base.content, state.scrapes, base.scrapes = "ok", 0, 0
+        run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--baseline-endpoint", base_url,
+                  "--report", report, "--quiet")  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert loads_strict(report.read_bytes())["baseline"]["lossless_match_rate"] == 1.0
+    state.scrapes = 0
+    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--report", report, "--quiet")
+    assert run.returncode == 1 and "needs a baseline" in report.read_text(), run.stdout + run.stderr
 
 
 def test_token_budget_below_the_floor_is_refused_at_parse_time(root: Path, tmp_path: Path) -> None:

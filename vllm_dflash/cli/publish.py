@@ -9,6 +9,7 @@ from typing import Any
 from vllm_dflash.cli.common import manifest
 from vllm_dflash.errors import PublishRefusedError
 from vllm_dflash.manifest import MACHINES
+from vllm_dflash.oci import check_image_ref
 from vllm_dflash.paths import local_destination
 from vllm_dflash.publish import publish, publish_release
 
@@ -45,6 +46,9 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.artifact.endswith(".whl") or Path(args.artifact).is_dir():  # an image's --to is a registry reference
         local_destination(args.to, "--to", PublishRefusedError)
+    else:  # both reach the container tool: never an option, a space or an upper-case path
+        check_image_ref(args.artifact, "image", PublishRefusedError)
+        check_image_ref(args.to, "--to", PublishRefusedError)
     m = manifest(args)
     if Path(args.artifact).is_dir():
         if args.report is not None:

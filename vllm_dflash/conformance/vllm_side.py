@@ -12,7 +12,8 @@ size, tensor_parallel_size). It generates each prompt on its own, or all of them
 times. The recorder writes one line per request block of every proposal step; `assign_blocks` maps each block to
 its request by prompt and checks it against the block's positions and bonus token, refusing an ambiguous mapping.
 One JSON line per proposal:
-    {"request", "prompt_index", "step", "kind" (verified | prefill | cut-off), "token_ids" (the request's sequence
+    {"request", "prompt_index", "step", "kind" (verified | prefill | cut-off | beyond-output: drafted from a bonus
+     token max_tokens cut off, no logits to recompute), "token_ids" (the request's sequence
      before the block, from the case and vLLM's RequestOutput, plus the block's bonus token), "context_len",
      "block_start", "block_input_ids", "block_positions" (the drafter's input as recorded), "logits" (k rows x
      vocab), "draft_ids" (k, what vLLM proposed)}
@@ -389,11 +390,9 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
         start = int(rec["block_positions"][0])
         step = steps_of.get(req.index, 0)
         steps_of[req.index] = step + 1
-        kind = proposal_kind(req, start)
-        if start >= len(req.seq):
-            # Drafted from a bonus token that max_tokens cut off: no context to recompute it from but the output.
-            kinds["beyond-output"] += 1
-            continue
+        # Drafted from a bonus token that max_tokens cut off: no context to recompute its logits from, but a line
+        # all the same, so the oracle counts every proposal from the lines it checked, never from this tally.
+        kind = "beyond-output" if start >= len(req.seq) else proposal_kind(req, start)
         kinds[kind] += 1
         lines.append(
             json.dumps(

@@ -8,6 +8,7 @@ names the snapshot). Never downloads; reads only safetensors headers, never the 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -85,16 +86,34 @@ def resolve_dir(path: Path) -> Path:
 CONFIG_LIMIT = 16 << 20  # a config.json or a safetensors index is kilobytes; a 16 MiB one is no config
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _strict_json(raw: bytes) -> Any:
+    """JSON with finite numbers only (`1e999`, NaN and Infinity refused: no layer count is infinite)."""
+    return json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
+
+
 def read_json(path: Path, what: str) -> dict[str, Any]:
     from vllm_dflash.paths import read_bounded
 
     try:
-        data = json.loads(read_bounded(path, CONFIG_LIMIT, f"{what} config", CheckpointError))
+        data = _strict_json(read_bounded(path, CONFIG_LIMIT, f"{what} config", CheckpointError))
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist", f"check the {what} path") from None
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}", f"check the {what} path") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except RecursionError:
+        raise CheckpointError(f"{path} nests deeper than any config", f"pass the {what}'s config.json") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, a non-finite number, a 5000-digit integer
         raise CheckpointError(f"{path} is not JSON ({exc})", f"pass the {what}'s config.json") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} is not a JSON object", f"pass the {what}'s config.json")
@@ -111,7 +130,7 @@ def _safetensors_names(path: Path) -> list[str]:
             return []
         try:
             header = json.loads(f.read(size))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # not a safetensors header: no names to read
             return []
     return [k for k in header if k != "__metadata__"] if isinstance(header, dict) else []
 

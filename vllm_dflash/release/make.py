@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 from vllm_dflash import report as reports
-from vllm_dflash.errors import DflashError, ProvenanceError, StorageError, VerifyError
+from vllm_dflash.errors import ProvenanceError, StorageError, VerifyError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest, Profile
 from vllm_dflash.paths import copy_atomic, ensure_dir, storage_error, temp_sibling, temporary_pid, write_bytes_atomic
@@ -167,7 +167,7 @@ def make_release(
     attached, report_bytes = _attach_reports(facts, options.reports, options.report_key, manifest.profiles)
     key: dsse.SigningKey | None = None
     if options.sign_key is not None:
-        key = dsse.load_private_key(options.sign_key, options.sign_key_password, DflashError)
+        key = dsse.load_private_key(options.sign_key, options.sign_key_password)
 
     # Every document, in memory, before anything is written.
     docs: dict[str, bytes] = dict(report_bytes)

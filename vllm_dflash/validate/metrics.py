@@ -14,14 +14,13 @@ ones again to the counters it carries.
 from __future__ import annotations
 
 import math
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_dflash import report as rules
 from vllm_dflash.errors import MeasurementError
+from vllm_dflash.validate import client
 
 # Prometheus family names as vLLM exports them (the text format adds `_total` to counter samples; the parser
 # strips it again from the family name).
@@ -129,8 +128,10 @@ class Acceptance:
 
 
 def _sample_line(sample: Any) -> str:
-    labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-    return f"{sample.name}{{{labels}}} {sample.value}"
+    """The sample as a message quotes it: at most a few hundred characters, whatever the server sent."""
+    labels = ",".join(f'{k}="{v[:40]}{"..." if len(v) > 40 else ""}"' for k, v in sorted(sample.labels.items()))
+    line = f"{sample.name}{{{labels}}} {sample.value}"
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def parse_spec_counters(text: str) -> SpecCounters:
@@ -147,7 +148,7 @@ def parse_spec_counters(text: str) -> SpecCounters:
         families = list(text_string_to_metric_families(text))
     except ValueError as exc:
         raise MeasurementError(
-            f"/metrics is not Prometheus text format: {exc}", "check that the URL is a vLLM server"
+            f"/metrics is not Prometheus text format: {str(exc)[:300]}", "check that the URL is a vLLM server"
         ) from None
     observed: dict[str, str] = {}
     for family in families:
@@ -204,23 +205,24 @@ def parse_spec_counters(text: str) -> SpecCounters:
     )
 
 
-def scrape(base_url: str, timeout_s: float = 30.0) -> SpecCounters:
-    """GET `{base_url}/metrics` and parse it."""
+def scrape(base_url: str, timeout_s: float = 30.0, session: client.Session | None = None) -> SpecCounters:
+    """GET `{base_url}/metrics` (answered in full within `timeout_s` seconds) and parse it."""
     url = base_url.rstrip("/") + "/metrics"
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            raw = resp.read(MAX_METRICS_BYTES + 1)
-        if len(raw) > MAX_METRICS_BYTES:
-            raise MeasurementError(
-                f"{url} answered more than {MAX_METRICS_BYTES >> 20} MiB: not a vLLM /metrics page",
-                "point --endpoint at a vLLM server",
-            )
-        text = raw.decode()
-    except (urllib.error.URLError, TimeoutError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
+        resp = (session or client.Session()).request("GET", url, timeout_s, MAX_METRICS_BYTES)
+    except client.TooLarge:
         raise MeasurementError(
-            f"cannot read {url}: {reason}", "check that the server is up and exports /metrics"
+            f"{url} answered more than {MAX_METRICS_BYTES >> 20} MiB: not a vLLM /metrics page",
+            "point --endpoint at a vLLM server",
         ) from None
+    except client.TransportError as exc:
+        raise MeasurementError(
+            f"cannot read {url}: {exc}", "check that the server is up and exports /metrics"
+        ) from None
+    if resp.status != 200:
+        raise MeasurementError(f"cannot read {url}: HTTP {resp.status}", "check that the server exports /metrics")
+    try:
+        text = resp.body.decode()
     except UnicodeDecodeError:
         raise MeasurementError(f"{url} is not UTF-8 text", "check that the URL is a vLLM server") from None
     return parse_spec_counters(text)

@@ -14,8 +14,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 import zipfile
 import zlib
@@ -24,12 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash import proc
+from vllm_dflash import proc, urls
 from vllm_dflash import provenance as prov
 from vllm_dflash.errors import MeasurementError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import DEFAULT_HEALTH_TIMEOUT_S, Profile
 from vllm_dflash.pipeline.wheelfile import inspect_wheel, normalize
+from vllm_dflash.validate import client
 
 LOG_TAIL_LINES = 40
 
@@ -113,29 +112,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def check_url(url: str, flag: str) -> str:
-    """An http(s) URL with a host, checked before anything is started; MeasurementError otherwise."""
-    from urllib.parse import urlparse
+def check_url(url: str, flag: str) -> tuple[str, str | None]:
+    """The server's base URL (normalised: no trailing `/` or `/v1`) and a note when it was changed, checked before
+    anything is started; MeasurementError otherwise (urls.endpoint says what is refused and why)."""
+    return urls.endpoint(url, flag, MeasurementError)
 
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise MeasurementError(f"{flag} {url} is not an http(s):// URL with a host", "write e.g. http://127.0.0.1:8000")
-    try:
-        parsed.port  # noqa: B018 -- raises on a malformed port
-    except ValueError:
-        raise MeasurementError(f"{flag} {url} has a malformed port", "write e.g. http://127.0.0.1:8000") from None
-    return url.rstrip("/")
+
+HEALTH_POLL_S = 5.0  # one /health request's deadline (and never more than what is left of --health-timeout)
+SMALL_ANSWER = 1 << 20  # /health and /version are a few bytes
 
 
 def http_get(url: str, timeout_s: float = 10.0) -> tuple[int, bytes]:
-    """Status and body of a GET; (0, b'') when nothing answers."""
+    """Status and body of a GET answered in full within `timeout_s` seconds in total; (0, b'') when nothing (or
+    not all of it) came in time."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return int(resp.status), resp.read(1 << 20)  # /health and /version are a few bytes: never read on
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), b""
-    except (urllib.error.URLError, TimeoutError, OSError):
+        resp = client.request("GET", url, timeout_s, SMALL_ANSWER)
+    except client.TransportError:
         return 0, b""
+    return resp.status, resp.body
 
 
 def tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
@@ -154,7 +148,8 @@ def wait_for_health(
     """Poll `/health` until it answers 200; seconds waited. MeasurementError (with the log tail) on death/timeout."""
     start = time.monotonic()
     while True:
-        status, _ = http_get(base_url.rstrip("/") + "/health", timeout_s=5.0)
+        left = timeout_s - (time.monotonic() - start)
+        status, _ = http_get(base_url.rstrip("/") + "/health", timeout_s=max(0.1, min(HEALTH_POLL_S, left)))
         if status == 200:
             return time.monotonic() - start
         if alive is not None and not alive():
@@ -231,7 +226,15 @@ def installed_vllm(python: Path, env: Mapping[str, str] | None = None) -> Instal
     out = proc.call(
         python, "-c", _INSTALLED_PROBE, prov.PATH, env=env, capture=True, error=MeasurementError, quiet=True
     ).stdout
-    data = json.loads(out.strip().splitlines()[-1])
+    try:
+        data = json.loads((out.strip().splitlines() or [""])[-1])
+    except ValueError:
+        data = {}
+    if data == {} or (data is not None and not isinstance(data, dict)):
+        raise MeasurementError(
+            f"{python} did not answer the probe of its vLLM (not a Python interpreter?)",
+            "pass --python the interpreter of the environment that holds the wheel",
+        )
     if data is None:
         raise MeasurementError(f"{python} cannot import vllm", "install the wheel to validate into that environment")
     raw = data.pop("build_info")
@@ -326,20 +329,31 @@ def wheel_version(wheel: Path) -> str:
 # The three ways to reach a server
 
 
-def _stop_group(popen: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
-    """SIGTERM the server's process group (vLLM forks engine workers), then SIGKILL what is left."""
+STOP_GRACE_S = 30.0  # a server asked to stop frees its GPU memory before it exits: give it time ...
+INTERRUPT_GRACE_S = 5.0  # ... unless the user pressed Ctrl-C: then seconds, and SIGKILL after
+
+
+def _stop_group(popen: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the server's process group (vLLM forks engine workers), then SIGKILL what is left after `grace_s`
+    (at once when Ctrl-C interrupts the wait: the server never outlives the command)."""
     import signal
+
+    def kill(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(popen.pid, sig)
 
     if popen.poll() is not None:
         return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(popen.pid, signal.SIGTERM)
+    kill(signal.SIGTERM)
     try:
         popen.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(popen.pid, signal.SIGKILL)
+        kill(signal.SIGKILL)
         popen.wait(timeout=30)
+    except KeyboardInterrupt:
+        kill(signal.SIGKILL)
+        popen.wait(timeout=30)
+        raise
 
 
 def serve_command(
@@ -406,8 +420,11 @@ def launch_subprocess(
         waited = wait_for_health(base_url, spec.health_timeout_s, lambda: popen.poll() is None, lambda: tail(log_path))
         print(f"server up at {base_url} after {waited:.0f} s (log: {log_path})", flush=True)
         yield RunningServer(base_url=base_url, provenance=provenance, log_path=log_path)
+    except KeyboardInterrupt:
+        _stop_group(popen, INTERRUPT_GRACE_S)
+        raise
     finally:
-        _stop_group(popen)
+        _stop_group(popen)  # returns at once when the server is already stopped
 
 
 @dataclass(frozen=True)
