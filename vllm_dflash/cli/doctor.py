@@ -4,6 +4,7 @@ reference; `--table` prints the compatibility table of the shipped public checkp
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,14 @@ def register(sub: Any) -> None:
         help="read this build's resolution from a patched qwen3_dflash.py instead of the checkout's patch 0002",
     )
     p.add_argument("--table", action="store_true", help="print the compatibility table of the shipped checkpoints")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also size the drafter's KV cache per sequence at N tokens (this build vs stock; the target's too with "
+        "--target), with vLLM's own KV-cache specs in this build's CPU environment",
+    )
     p.set_defaults(func=run)
 
 
@@ -67,6 +76,23 @@ def our_code(args: argparse.Namespace) -> ours.OurCode:
         return ours.from_model_file(installed)
 
 
+def _kv_cache(args: argparse.Namespace, ck: Any, d: D.Diagnosis) -> Any:
+    from vllm_dflash.cli.common import checkout
+    from vllm_dflash.doctor import kvcache
+    from vllm_dflash.doctor.checkpoint import read_json, resolve_dir
+
+    target = None
+    if args.target is not None:
+        path = args.target if args.target.is_file() else resolve_dir(args.target) / "config.json"
+        target = read_json(path, "target")
+    co = checkout(args)
+    sys.stdout.flush()
+    figures = kvcache.per_sequence(co.manifest, co.queues, ck, d, args.context, target)
+    print()
+    print(kvcache.render_text(figures))
+    return figures
+
+
 def run(args: argparse.Namespace) -> int:
     code = our_code(args)
     if args.table:
@@ -86,8 +112,12 @@ def run(args: argparse.Namespace) -> int:
         target.architectures if target else (),
     )
     print(D.render_text(d))
+    kv = _kv_cache(args, ck, d) if args.context is not None else None
     if args.json is not None:
-        write_text_atomic(args.json, d.to_json() + "\n")
+        text = (
+            d.to_json() if kv is None else json.dumps({**json.loads(d.to_json()), "kv_cache": kv.to_dict()}, indent=1)
+        )
+        write_text_atomic(args.json, text + "\n")
     if d.mismatch:
         raise CheckpointError(f"this drafter does not fit this target: {d.mismatch}", "pair it with its own target")
     if args.prove:
