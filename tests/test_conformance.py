@@ -518,10 +518,18 @@ EVICT = [c for c in C.CASES if c.evict]
 
 
 def test_eviction_cases_cover_each_condition_and_run_far_past_the_window() -> None:
-    """One long prompt, a batch, chunked prefill across an eviction, prefix caching past the window, TP 2: each
-    named evict-*, with KV blocks small enough that the window (+ k drafted) spans at most 2 of them and every
-    prompt at least 4 of them, so blocks are freed; the single-rank ones also run the full-kv control."""
-    assert {c.name for c in EVICT} == {"evict-long", "evict-batched", "evict-chunked", "evict-prefix", "evict-tp2"}
+    """One long prompt, a batch, chunked prefill across an eviction, prefix caching past the window, TP 2 (and a
+    non-causal drafter): each named evict-*, with KV blocks small enough that the window (+ k drafted) spans at most
+    2 of them and every prompt at least 4 of them, so blocks are freed; the single-rank ones also run the full-kv
+    control."""
+    assert {c.name for c in EVICT} == {
+        "evict-long",
+        "evict-batched",
+        "evict-chunked",
+        "evict-prefix",
+        "evict-tp2",
+        "evict-non-causal",  # the symmetric windows of a non-causal drafter, on the CPU queue's torch path
+    }
     assert all(c.name.startswith("evict") for c in EVICT) and not any("evict" in c.name for c in C.CASES if not c.evict)
     for c in EVICT:
         kept = c.sliding_window + c.num_speculative_tokens  # what the patched spec keeps (patch 0004)

@@ -216,6 +216,7 @@ _MIXED = (SLIDING, SLIDING, FULL)
 REAL_WINDOW = 24  # real-shape: a window longer than the 16-token block, as 2048 is for the real drafter
 EVICT_KV_BLOCK = 16  # vLLM's KV block in the eviction cases: a window of 8 (+3 drafted) spans at most 2 of them
 EVICT_BATCHED_KV_BYTES = 2 << 20  # evict-batched's whole KV cache: freed blocks must be handed out again
+EVICT_NON_CAUSAL_KV_BYTES = 5 << 18  # 1.25 MiB: 80 blocks of 2 layers in the windowed layout, 22 in the full one
 
 CASES: tuple[CaseSpec, ...] = (
     CaseSpec(
@@ -507,6 +508,25 @@ CASES: tuple[CaseSpec, ...] = (
         rounds=2,
         shared_prefix=90,
         evict=True,
+    ),
+    CaseSpec(
+        name="evict-non-causal",
+        summary="is_causal false (symmetric windows, the CPU queue's torch path), 2 prompts batched in a small cache",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        is_causal=False,
+        negatives=(NEG_FULL_ATTN,),
+        seed=25,
+        prompt_lengths=(120, 150),
+        max_tokens=16,
+        batched=True,
+        max_num_seqs=2,
+        kv_block_size=EVICT_KV_BLOCK,
+        evict=True,
+        kv_cache_bytes=EVICT_NON_CAUSAL_KV_BYTES,
+        # stock reads no is_causal: on this case it computes what evict-long shows
+        expect_stock="skip",
     ),
     CaseSpec(
         name="evict-tp2",
