@@ -425,5 +425,10 @@ def test_context_sizes_the_kv_cache_with_vllms_own_specs(tmp_path: Path) -> None
     }
     assert [x["spec"] for x in kv["this_build"]] == ["SlidingWindowSpec"] * 4 + ["FullAttentionSpec"]
     assert {x["window"] for x in kv["this_build"][:4]} == {2048 + 15}
+    # vLLM's own KV-cache config code over the whole model's groups (no padding for this shape: every page is 64 KiB)
+    assert kv["reserved_bytes"] == {
+        "this_build": kv["per_sequence_bytes"]["this_build"] + kv["per_sequence_bytes"]["target"],
+        "stock": kv["per_sequence_bytes"]["stock"] + kv["per_sequence_bytes"]["target"],
+    }
     assert "this build keeps 22.5% of stock's drafter KV cache" in run.stdout
     assert "drafter share, stock 0.20.1: 23.8% of target + drafter" in run.stdout

@@ -12,7 +12,10 @@ The drafter's layers are sized twice: as this build keeps them (the patched qwen
 0.20.1 keeps them (every drafter Attention is built without a window: FullAttentionSpec). The target's attention
 layers as vLLM gives any model's layers: FullAttentionSpec, or SlidingWindowSpec for a sliding one. Each figure is
 `spec.max_memory_usage_bytes(config)`: what vLLM reserves per sequence (admission, the max_model_len check and the
-start-up "maximum concurrency" line are computed from it), at max_model_len = the context.
+start-up "maximum concurrency" line are computed from it), at max_model_len = the context. With a target, also the
+whole model's reservation as vLLM's KV-cache config code computes it over its KV-cache groups
+(kv_cache_utils.get_kv_cache_groups, then _max_memory_usage_bytes_from_groups: hybrid allocator, padding layers
+included), this build's layout against stock's.
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ from typing import Any
 
 
 def _config(context: int, max_num_batched_tokens: int) -> Any:
-    """The parts of a VllmConfig the specs' max_memory_usage_bytes read."""
+    """The parts of a VllmConfig the specs' max_memory_usage_bytes and kv_cache_utils' grouping read."""
     return SimpleNamespace(
         model_config=SimpleNamespace(max_model_len=context),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
-        scheduler_config=SimpleNamespace(max_num_batched_tokens=max_num_batched_tokens),
+        scheduler_config=SimpleNamespace(
+            max_num_batched_tokens=max_num_batched_tokens, disable_hybrid_kv_cache_manager=False
+        ),
+        speculative_config=None,
     )
 
 
@@ -54,6 +60,15 @@ def sizes(job: dict[str, Any]) -> dict[str, Any]:
             out.append({"spec": type(s).__name__, "window": window, "bytes": int(s.max_memory_usage_bytes(cfg))})
         return out
 
+    def reserved(target_specs: list[Any], drafter_specs: list[Any]) -> int:
+        """vLLM's own per-sequence reservation for the whole model's attention layers: its KV-cache groups (hybrid
+        allocator, padding included) and the bytes its admission and max_model_len check use."""
+        from vllm.v1.core import kv_cache_utils
+
+        named = {f"model.layers.{i}.self_attn.attn": s for i, s in enumerate([*target_specs, *drafter_specs])}
+        groups = kv_cache_utils.get_kv_cache_groups(cfg, named)
+        return int(kv_cache_utils._max_memory_usage_bytes_from_groups(cfg, groups))
+
     drafter = list(job["drafter"])
     windows = [layer.get("window") for layer in drafter]
     # This build's rule, as the patched model runs it (a speculators-format drafter keeps the whole context).
@@ -61,10 +76,17 @@ def sizes(job: dict[str, Any]) -> dict[str, Any]:
         windows, int(job["num_speculative_tokens"]), speculators=bool(job.get("speculators"))
     )
     target = list(job.get("target") or [])
+    target_specs = [spec(layer, layer.get("window")) for layer in target]
     return {
         "this_build": rows(drafter, list(ours)),
         "stock": rows(drafter, [None] * len(drafter)),
         "target": rows(target, [layer.get("window") for layer in target]) if target else None,
+        "reserved": {
+            "this_build": reserved(target_specs, [spec(x, w) for x, w in zip(drafter, ours, strict=True)]),
+            "stock": reserved(target_specs, [spec(x, None) for x in drafter]),
+        }
+        if target
+        else None,
         "vllm_version": __import__("vllm").__version__,
     }
 

@@ -60,6 +60,9 @@ class KVCacheFigures:
     target: tuple[LayerKV, ...] | None  # the target's attention layers (None: no --target)
     target_note: str  # what of the target is not counted (linear-attention state)
     vllm_version: str
+    # With a target: vLLM's own per-sequence reservation for target + drafter attention layers over its KV-cache
+    # groups (kv_cache_utils), this build's layout and stock's (None: no --target).
+    reserved_bytes: Mapping[str, int] | None = None
 
     @property
     def per_sequence_bytes(self) -> dict[str, int]:
@@ -188,6 +191,7 @@ def per_sequence(
         target=_layer_rows(out["target"]) if out.get("target") is not None else None,
         target_note=note,
         vllm_version=str(out.get("vllm_version", "")),
+        reserved_bytes={k: int(v) for k, v in out["reserved"].items()} if out.get("reserved") else None,
     )
 
 
@@ -219,4 +223,11 @@ def render_text(f: KVCacheFigures) -> str:
         for name, key in ((THIS_BUILD, _THIS), ("stock 0.20.1", "stock")):
             if t + per[key]:
                 out.append(f"  drafter share, {name}: {per[key] / (t + per[key]):.1%} of target + drafter")
+    if f.reserved_bytes:
+        r = f.reserved_bytes
+        out.append(
+            f"  vLLM's own reservation per sequence for target + drafter attention (its KV-cache groups, "
+            f"kv_cache_utils): this build {r[_THIS]:,} bytes ({_mib(r[_THIS])}), stock {r['stock']:,} bytes "
+            f"({_mib(r['stock'])})"
+        )
     return "\n".join(out)
