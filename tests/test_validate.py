@@ -357,10 +357,10 @@ def test_kv_blocks_of_the_longest_request_are_read_from_the_server_log(tmp_path:
     )
     got = kvblocks.from_log(log)
     assert got is not None and got["request"] == "b"
-    assert [(g["held"], g["spanned"]) for g in got["groups"]] == [(8, 8), (2, 8)]
+    assert [(g["held"], g["context_blocks"]) for g in got["groups"]] == [(8, 8), (2, 8)]
     assert kvblocks.describe(got) == (
-        "KV blocks held at the end of the longest prompt (156 prompt + 96 output tokens): group 0 (full, 1 drafter "
-        "layer(s)) 8/8; group 1 (sliding window 23, 2 drafter layer(s)) 2/8"
+        "KV blocks held at the end of the longest prompt (156 prompt + 96 output tokens, 8 blocks of context): group 0 "
+        "(full, 1 drafter layer(s)) 8; group 1 (sliding window 23, 2 drafter layer(s)) 2"
     )
     log.write_text("INFO a stock server's log\n")
     assert kvblocks.from_log(log) is None and kvblocks.from_log(None) is None

@@ -35,13 +35,14 @@ def parse(lines: Iterable[str]) -> list[dict[str, Any]]:
 
 
 def longest(entries: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """The entry of the longest prompt (the longest sequence among equal prompts), with each group's span: the
-    blocks its context covers, what a group that frees nothing holds."""
+    """The entry of the longest prompt (the longest sequence among equal prompts), with each group's
+    `context_blocks`: the blocks its computed tokens cover. A group that frees nothing holds at least that many (its
+    slots for the drafted tokens too); a sliding-window group that freed blocks holds fewer."""
     best = max(entries, key=lambda e: (int(e["prompt_tokens"]), int(e["computed_tokens"])), default=None)
     if best is None:
         return None
     tokens = int(best["computed_tokens"])
-    groups = [{**g, "spanned": -(-tokens // int(g["block_size"]))} for g in best["groups"]]
+    groups = [{**g, "context_blocks": -(-tokens // int(g["block_size"]))} for g in best["groups"]]
     return {**best, "groups": groups}
 
 
@@ -53,14 +54,16 @@ def from_log(path: Path | None) -> dict[str, Any] | None:
 
 
 def describe(entry: Mapping[str, Any]) -> str:
-    """One line: the blocks each group holding drafter layers held, against the blocks its context spans."""
+    """One line: the blocks each group holding drafter layers held, against the blocks its context covers."""
     parts = []
     for g in entry["groups"]:
         if not g.get("drafter_layers"):
             continue
         kind = f"sliding window {g['window']}" if g.get("window") else "full"
-        parts.append(f"group {g['gid']} ({kind}, {g['drafter_layers']} drafter layer(s)) {g['held']}/{g['spanned']}")
+        parts.append(f"group {g['gid']} ({kind}, {g['drafter_layers']} drafter layer(s)) {g['held']}")
+    blocks = entry["groups"][0]["context_blocks"] if entry["groups"] else 0
     return (
         f"KV blocks held at the end of the longest prompt ({entry['prompt_tokens']} prompt + "
-        f"{entry['output_tokens']} output tokens): " + ("; ".join(parts) or "no group holds drafter layers")
+        f"{entry['output_tokens']} output tokens, {blocks} blocks of context): "
+        + ("; ".join(parts) or "no group holds drafter layers")
     )
