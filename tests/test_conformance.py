@@ -816,8 +816,10 @@ def _negative_build(manifest: Manifest, extra: list[Path], tmp: Path) -> tuple[A
     from vllm_dflash.series import Queue, Queues, load_patch, read_queues
 
     queues = read_queues(manifest.series_path, manifest.cpu_series_path)
-    kv = next(p for p in queues.dflash.patches if p.name == KV_PATCH)
-    base = [p for p in queues.dflash.patches if p.name != KV_PATCH]
+    names = [p.name for p in queues.dflash.patches]
+    kv = queues.dflash.patches[names.index(KV_PATCH)]
+    # The queue up to 0004 (what comes after it, 0005's diagnostic, builds on 0004), then the variant.
+    base = queues.dflash.patches[: names.index(KV_PATCH)]
     variant = [load_patch(spec_only_patch(kv, tmp / "spec-only.patch")), *(load_patch(x) for x in extra)]
     neg = Queues(Queue("dflash", queues.dflash.series, (*base, *variant)), queues.cpu)
     return neg, cached_build(manifest, neg, "cpu", "dflash")
