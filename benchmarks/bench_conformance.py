@@ -7,8 +7,9 @@
 Default: runs the command once to warm every cache (reference env, tiny cases, patched wheel, vLLM envs) unless
 --skip-warmup, then times a second run and prints the wall time, the ratio to the goal (<= 1.0 meets it) and where the
 time went (vLLM init / generate and oracle seconds per build and case, from the run's traces and metrics), with the
-cases that existed before the serving-condition cases and the serving cases summed separately. --old-vs-new also
-times a warm run of the old cases alone, so the old and the new total stand side by side.
+cases that existed before the serving-condition cases, the serving cases and the eviction cases (evict-*, with their
+full-kv control) summed separately. --old-vs-new also times a warm run of the old cases alone, so the old and the new
+total stand side by side; --evict-cost a warm run of every case but the eviction ones: what those cost a run.
 
 --cold: one run with a fresh, empty VLLM_DFLASH_CACHE (and pip cache): the downloads, the reference and vLLM side
 environments, both CPU builds and the tiny models are all made inside the timed run; then a second, warm run in the
@@ -48,6 +49,7 @@ from vllm_dflash.conformance import cases as C  # noqa: E402
 from vllm_dflash.conformance.vllm_side import EXECUTORS  # noqa: E402
 
 OLD_CASES = tuple(c.name for c in C.CASES if not c.is_serving)
+EVICT_CASES = tuple(c.name for c in C.CASES if c.evict)
 
 
 def _run(extra: list[str], report: Path, env: dict[str, str] | None = None) -> tuple[int, float]:
@@ -84,16 +86,17 @@ def _work_dir(report: Path) -> Path | None:
 def _breakdown(report: Path) -> list[str]:
     costs = _costs(_work_dir(report))
     lines = []
-    sums = {"old": 0.0, "serving": 0.0}
+    sums = {"old": 0.0, "serving": 0.0, "evict": 0.0}
     for (build, case), row in costs.items():
         total = row["init"] + row["generate"] + row.get("oracle", 0.0)
-        sums["old" if case in OLD_CASES else "serving"] += total
+        sums["old" if case in OLD_CASES else "evict" if case in EVICT_CASES else "serving"] += total
         lines.append(
             f"  {build:8s} {case:16s} vLLM init {row['init']:6.1f} s, generate {row['generate']:6.1f} s, "
             f"oracle {row.get('oracle', 0.0):6.1f} s ({row['executor']})"
         )
     lines.append(
-        f"  per-case seconds summed: old cases {sums['old']:.1f} s, serving cases {sums['serving']:.1f} s "
+        f"  per-case seconds summed: old cases {sums['old']:.1f} s, serving cases {sums['serving']:.1f} s, "
+        f"eviction cases (all builds) {sums['evict']:.1f} s "
         "(the rest of the wall time: process start-up, imports, environment checks)"
     )
     return lines
@@ -247,6 +250,7 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--cold", action="store_true", help="time a run from an empty cache, then a warm one")
     ap.add_argument("--old-vs-new", action="store_true", help="also time a warm run of the old cases alone")
+    ap.add_argument("--evict-cost", action="store_true", help="also time a warm run without the eviction cases")
     ap.add_argument("--executors", action="store_true", help="compare the uni and mp CPU executors")
     ap.add_argument("--bf16-drift", action="store_true", help="measure the reference drafter's bf16 vs fp32 drift")
     ap.add_argument("--bf16-vllm", type=int, metavar="N", help="measure vLLM's own bf16 run on N seeds of the case")
@@ -265,13 +269,21 @@ def main() -> int:
     if not args.skip_warmup:
         rc, cold = _run(extra, report)
         print(f"warm-up run: {cold:.1f} s (exit {rc})", flush=True)
-    old = None
+    old = without = None
     if args.old_vs_new:
         _, old = _run([*extra, "--cases", *OLD_CASES], REPO / "dist" / f"bench-conformance-{args.device}-old.json")
+    if args.evict_cost:
+        rest = [c.name for c in C.CASES if not c.evict]
+        _, without = _run([*extra, "--cases", *rest], REPO / "dist" / f"bench-conformance-{args.device}-no-evict.json")
     rc, warm = _run(extra, report)
     print(f"\nwarm conformance run: {warm:.1f} s (exit {rc})")
     if old is not None:
         print(f"old cases alone ({len(OLD_CASES)}): {old:.1f} s; all {len(C.CASES)} cases: {warm:.1f} s")
+    if without is not None:
+        print(
+            f"without the {len(EVICT_CASES)} eviction cases: {without:.1f} s; with them: {warm:.1f} s "
+            f"(+{warm - without:.1f} s, ratio {warm / without:.2f})"
+        )
     verdict = "meets" if warm <= GOAL_S else "MISSES"
     print(f"goal: <= {GOAL_S:.0f} s on 2 cores; ratio warm/goal = {warm / GOAL_S:.2f} ({verdict} the goal)")
     for line in _breakdown(report):

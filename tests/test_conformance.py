@@ -683,6 +683,135 @@ def test_serving_fields_keep_old_digests_and_enter_new_ones(monkeypatch: pytest.
     )
 
 
+# ---- eviction: the drafter's KV cache sized by its window --------------------------------------------------------
+
+
+EVICT = [c for c in C.CASES if c.evict]
+
+
+def test_eviction_cases_cover_each_condition_and_run_far_past_the_window() -> None:
+    """One long prompt, a batch, chunked prefill across an eviction, prefix caching past the window, TP 2 (and a
+    non-causal drafter): each named evict-*, with KV blocks small enough that the window (+ k drafted) spans at most
+    2 of them and every prompt at least 4 of them, so blocks are freed; the single-rank ones also run the full-kv
+    control."""
+    assert {c.name for c in EVICT} == {
+        "evict-long",
+        "evict-batched",
+        "evict-chunked",
+        "evict-prefix",
+        "evict-tp2",
+        "evict-non-causal",  # the symmetric windows of a non-causal drafter, on the CPU queue's torch path
+    }
+    assert all(c.name.startswith("evict") for c in EVICT) and not any("evict" in c.name for c in C.CASES if not c.evict)
+    for c in EVICT:
+        kept = c.sliding_window + c.num_speculative_tokens  # what the patched spec keeps (patch 0004)
+        assert c.kv_block_size and -(-kept // c.kv_block_size) <= 2 < 4 <= min(c.prompt_lengths) // c.kv_block_size
+        assert c.has_sliding and C.FULL in c.layer_types  # a drafter in two KV-cache groups
+        assert (C.FULL_KV in c.builds) == (c.tensor_parallel_size == 1), c.name
+    by = {c.name: c for c in EVICT}
+    assert by["evict-batched"].batched and by["evict-batched"].max_num_seqs == len(by["evict-batched"].prompt_lengths)
+    assert by["evict-batched"].kv_cache_bytes is not None  # small enough that freed blocks are handed out again
+    chunked = by["evict-chunked"]
+    chunk = chunked.max_num_batched_tokens - (chunked.num_speculative_tokens - 1)  # DFlash reserves k - 1 slots
+    (n,) = chunked.prompt_lengths
+    last = n // chunk * chunk
+    assert n - chunked.sliding_window < last < n  # the first proposal's window crosses the last chunk boundary
+    assert (last - (chunked.sliding_window + chunked.num_speculative_tokens) + 1) // chunked.kv_block_size > 0
+    assert n // chunk + 1 >= chunked.min_prefill_chunks
+    prefix = by["evict-prefix"]
+    assert prefix.prefix_caching and prefix.rounds == 2 and prefix.shared_prefix > 8 * prefix.sliding_window
+    assert by["evict-tp2"].tensor_parallel_size == 2
+
+
+def _kv_layout(*groups: tuple[int, int | None, int, int]) -> dict[str, Any]:
+    return {
+        "groups": [
+            {
+                "gid": gid,
+                "spec": "SlidingWindowSpec" if w else "FullAttentionSpec",
+                "window": w,
+                "block_size": 16,
+                "layers": layers,
+                "drafter_layers": drafter,
+            }
+            for gid, w, layers, drafter in groups
+        ],
+        "num_blocks": 128,
+        "max_concurrency": 4.0,
+        "bytes_per_request": 1 << 20,
+        "max_model_len": 256,
+    }
+
+
+# Windowed: g0 target only, g1 target + the drafter's full layer, g2 the two sliding drafter layers (W 8 + k 3).
+WINDOWED = _kv_layout((0, None, 2, 0), (1, None, 2, 1), (2, 11, 2, 2))
+# A prefill of 150 tokens, then decode steps of 1 + k tokens with k lookahead: [tokens, allocated, held per group].
+PLATEAU = [[150, 150, 10, 10, 10], [154, 157, 10, 10, 2], [170, 173, 11, 11, 2], [174, 177, 12, 12, 2]]
+
+
+def _kv_metrics(layout: dict[str, Any], rows: list[list[int]], **over: Any) -> dict[str, Any]:
+    return {"kv_layout": layout, "kv_blocks": {"0": rows}, "kv_reused": 0, "k": 3, "prompt_lengths": [150], **over}
+
+
+def test_eviction_checks_fail_without_eviction_and_pass_on_a_plateau() -> None:
+    long, chunked, prefix = (C.get_cases([n])[0] for n in ("evict-long", "evict-chunked", "evict-prefix"))
+    assert compare.kv_problems(long, "patched", _kv_metrics(WINDOWED, PLATEAU)) == []
+    # every block kept: the spec stayed full, or the manager never freed anything
+    kept = [[*r[:4], -(-r[1] // 16)] for r in PLATEAU]
+    assert any(
+        "holds all 12 blocks at the end" in p for p in compare.kv_problems(long, "patched", _kv_metrics(WINDOWED, kept))
+    )
+    grown = [*PLATEAU[:-1], [174, 177, 12, 12, 4]]  # more than W + k - 1 + 2k tokens allow at a decode step
+    assert any(
+        "more than its window allows (3)" in p
+        for p in compare.kv_problems(long, "patched", _kv_metrics(WINDOWED, grown))
+    )
+    flat = _kv_layout((0, None, 4, 0), (1, None, 3, 3))
+    assert compare.kv_problems(long, "patched", _kv_metrics(flat, [[150, 150, 10, 10]]))[0].startswith(
+        "no drafter layer"
+    )
+    assert "no KV-cache block records" in compare.kv_problems(long, "patched", {"k": 3})[0]
+    # the full-kv control: every group with drafter layers holds the whole context, no sliding drafter group
+    full = _kv_layout((0, None, 7, 3))
+    whole = [[150, 150, 10], [174, 177, 12]]
+    assert compare.kv_problems(long, C.FULL_KV, _kv_metrics(full, whole)) == []
+    assert compare.kv_problems(long, C.FULL_KV, _kv_metrics(full, [[174, 177, 11]]))
+    assert compare.kv_problems(long, C.FULL_KV, _kv_metrics(WINDOWED, PLATEAU))
+    assert (
+        compare.kv_problems(long, "stock", {}) == []
+        and compare.kv_problems(C.get_cases(["mixed"])[0], "patched", {}) == []
+    )
+    # chunked prefill: blocks must be freed before the prefill ends
+    chunks = [[22, 22, 2, 2, 2], [44, 47, 3, 3, 3], [66, 69, 5, 5, 3], [137, 140, 9, 9, 2], [141, 144, 9, 9, 2]]
+    assert compare.kv_problems(chunked, "patched", _kv_metrics(WINDOWED, chunks, prompt_lengths=[137])) == []
+    late = [[22, 22, 2, 2, 2], [137, 137, 9, 9, 9], [141, 144, 9, 9, 2]]
+    got = compare.kv_problems(chunked, "patched", _kv_metrics(WINDOWED, late, prompt_lengths=[137]))
+    assert got == ["no block was freed before a prefill ended: the chunks never crossed an eviction"]
+    # prefix caching: a hit must leave the blocks outside the window out (null blocks)
+    hit = [[100, 100, 7, 7, 3], [104, 107, 7, 7, 2]]
+    assert compare.kv_problems(prefix, "patched", _kv_metrics(WINDOWED, hit, prompt_lengths=[100])) == []
+    miss = [[100, 100, 7, 7, 7], [104, 107, 7, 7, 2]]
+    got = compare.kv_problems(prefix, "patched", _kv_metrics(WINDOWED, miss, prompt_lengths=[100]))
+    assert got == ["no prefix-cache hit left the blocks outside the window out of a sliding group"]
+
+
+def test_full_kv_control_must_pass_like_the_patched_build() -> None:
+    tol = C.TOLERANCES["cpu"]
+    long = C.get_cases(["evict-long"])[0]
+    good = {**_metrics(long, 5e-6), **_kv_metrics(_kv_layout((0, None, 7, 3)), [[150, 150, 10], [174, 177, 12]])}
+    ok = compare.judge(long, C.FULL_KV, good, tol)
+    assert ok.expected == "pass" and ok.as_expected and ok.kv_groups == ("g0 full (3 drafter + 4 target)",)
+    assert compare.kv_cell(ok) == "g0 full 12/12"
+    assert not compare.judge(long, C.FULL_KV, {**good, "main": {**good["main"], "max_abs": 1.0}}, tol).as_expected
+    weak = compare.judge(
+        long, C.FULL_KV, {**good, "variants": {C.NEG_FULL_ATTN: {**good["main"], "max_abs": 1e-5}}}, tol
+    )
+    assert not weak.as_expected, "a negative control that agrees with the full-kv build must fail the run"
+    windowed = compare.judge(long, "patched", {**_metrics(long, 5e-6), **_kv_metrics(WINDOWED, PLATEAU)}, tol)
+    assert windowed.as_expected and compare.kv_cell(windowed) == "g1 full 12/12; g2 sliding 11 2/12"
+    assert windowed.kv_series[-1] == (174, 177, 12, 2) and windowed.kv_bytes_per_request == 1 << 20
+
+
 def test_bf16_case_is_unproven_with_a_reason_without_the_cpu_flag() -> None:
     bf16 = C.get_cases(["bf16"])[0]
     assert "no avx512_bf16" in C.skip_reason(bf16, "cpu", {"avx2", "avx512f"})
@@ -806,6 +935,14 @@ def test_conformance_patched_passes_and_stock_fails(tmp_path: Path) -> None:
             assert patched["prefix_cache_hits"] > 0, patched
         for neg in patched["negatives"]:
             assert neg["disagrees"] and neg["max_abs"] > tol.negative_min, neg
+        if spec.evict:
+            # The patched build freed the sliding drafter group's blocks (judged in kv_problems); the full-kv control
+            # (today's layout) ran exactly too, every drafter layer holding the whole context.
+            assert patched["kv_series"] and patched["kv_series"][-1][-1] < patched["kv_series"][-1][-2], patched
+            if spec.tensor_parallel_size == 1:
+                full = by[(spec.name, C.FULL_KV)]
+                assert full["status"] == "pass" and full["as_expected"] and full["max_abs"] <= tol.max_abs_logit, full
+                assert len(full["kv_groups"]) == 1 and "sliding" not in full["kv_groups"][0], full
         if spec.expect_stock == "skip":
             assert (spec.name, "stock") not in by
             continue
@@ -848,6 +985,71 @@ def test_the_run_catches_vllm_proposing_ids_other_than_the_drafters_argmax(tmp_p
     assert len(o["reasons"]) == 1 and o["reasons"][0].startswith("argmax differs at "), o["reasons"]
     assert o["argmax_agree"] < o["argmax_total"] and o["max_abs"] <= C.TOLERANCES["cpu"].max_abs_logit, o
     assert o["lossless"] and o["proposals_recorded"] == o["num_drafts"] + o["proposals_unverified"], o
+
+
+# ---- the negative control of the windowed drafter KV cache: the spec switched without the proposer change --------
+
+KV_PATCH = "0004-dflash-drafter-kv-cache-by-window.patch"
+LIFT_ASSERTION = REPO / "tests" / "kv_negative" / "lift-one-kv-cache-group-assertion.patch"
+
+
+def spec_only_patch(kv: Any, out: Path) -> Path:
+    """TEST-ONLY: patch 0004 without its proposer change (vllm/v1/spec_decode/dflash.py): the sliding drafter layers
+    get their SlidingWindowSpec and nothing else. Derived from 0004 itself, so it follows every change to it."""
+    import re
+
+    _, *sections = kv.text.split("\ndiff --git ")
+    kept = [x for x in sections if not x.startswith("a/vllm/v1/spec_decode/dflash.py ")]
+    assert len(kept) == len(sections) - 1 == 2, [x.split("\n", 1)[0] for x in sections]
+    body = re.sub(r"\n-- \n[0-9.]+\n*$", "", "\n".join("diff --git " + x for x in kept)).rstrip("\n") + "\n"
+    out.write_text(
+        "Description: TEST-ONLY negative control: patch 0004's KV-cache spec switch without its proposer change\n\n"
+        + body
+    )
+    return out
+
+
+def _negative_build(manifest: Manifest, extra: list[Path], tmp: Path) -> tuple[Any, Path]:
+    from vllm_dflash.pipeline.build import cached_build
+    from vllm_dflash.series import Queue, Queues, load_patch, read_queues
+
+    queues = read_queues(manifest.series_path, manifest.cpu_series_path)
+    names = [p.name for p in queues.dflash.patches]
+    kv = queues.dflash.patches[names.index(KV_PATCH)]
+    # The queue up to 0004 (what comes after it, 0005's diagnostic, builds on 0004), then the variant.
+    base = queues.dflash.patches[: names.index(KV_PATCH)]
+    variant = [load_patch(spec_only_patch(kv, tmp / "spec-only.patch")), *(load_patch(x) for x in extra)]
+    neg = Queues(Queue("dflash", queues.dflash.series, (*base, *variant)), queues.cpu)
+    return neg, cached_build(manifest, neg, "cpu", "dflash")
+
+
+@pytest.mark.heavy
+@pytest.mark.slow
+@pytest.mark.network
+@pytest.mark.parametrize("lifted", [False, True], ids=["spec-only", "spec-only-assertion-lifted"])
+def test_spec_without_the_proposer_change_is_refused_or_fails(
+    manifest: Manifest, tmp_path: Path, capfd: pytest.CaptureFixture[str], lifted: bool
+) -> None:
+    """vllm#50169 reproduced through the same conformance run: with the sliding drafter layers' SlidingWindowSpec but
+    the stock V1 proposer, vLLM refuses to start (its one-KV-cache-group assertion); with that assertion lifted too,
+    it runs and the drafter reads and writes the wrong blocks: far off the oracle, and the target's own KV cache is
+    clobbered (its output is no longer its greedy output)."""
+    neg, wheel = _negative_build(manifest, [LIFT_ASSERTION] if lifted else [], tmp_path)
+    options = compare.ConformanceOptions(
+        builds=("patched",), cases=("evict-long",), patched_wheel=wheel, report=tmp_path / "c.json"
+    )
+    result = compare.run_conformance(manifest, neg, options)
+    out = capfd.readouterr()
+    (o,) = result.outcomes
+    assert not o.as_expected and not result.ok and result.exit_code == compare.FAILED_EXIT
+    if not lifted:
+        assert o.status == "error", o
+        assert "All drafting layers should belong to the same kv cache group" in out.out + out.err
+        return
+    tol = C.TOLERANCES["cpu"]
+    assert o.status == "fail" and o.max_abs is not None and o.max_abs > tol.negative_min, o
+    assert o.argmax_agree < o.argmax_total and o.lossless is False, o
+    assert any("sliding" in g for g in o.kv_groups), o  # the spec did switch: a sliding drafter group exists
 
 
 def test_cli_refuses_a_missing_wheel_with_one_line(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import json
 import shutil
 import struct
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from vllm_dflash.conformance import cases as C
 from vllm_dflash.doctor import diagnose as D
 from vllm_dflash.doctor import fields, ours, prove, table
 from vllm_dflash.doctor.checkpoint import Checkpoint, read_checkpoint
-from vllm_dflash.errors import PatchError
+from vllm_dflash.errors import CheckpointError, PatchError
 from vllm_dflash.manifest import Manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -601,3 +602,89 @@ def test_aux_target_list_is_the_0201_trees(sdist_tree) -> None:  # type: ignore[
     assert set(rules.AUX_TARGETS_0_20_1) <= supported
     assert "NemotronHForCausalLM" in registry and "NemotronHForCausalLM" not in supported  # the negative case
     assert {"Qwen3ForCausalLM", "Qwen3_5ForConditionalGeneration", "Gemma4ForConditionalGeneration"} <= supported
+
+
+# ---- --context: the drafter's KV cache per sequence, with vLLM's own KV-cache specs ------------------------------
+
+# A Qwen3.6-27B-shaped target (the shape public copies of its config give): 48 linear-attention (Gated DeltaNet) and
+# 16 full-attention layers, every fourth, with 4 KV heads of 256.
+Q36_TARGET = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "text_config": {
+        "num_hidden_layers": 64,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+    },
+}
+
+
+def test_context_reads_the_drafter_and_target_shapes(code: ours.OurCode) -> None:
+    from vllm_dflash.doctor import kvcache
+
+    e = entry("z-lab--Qwen3.6-27B-DFlash")
+    (_, ck), *_ = table.completions(e)
+    d = table.diagnose_entry(e, code)[0]
+    layers = kvcache.drafter_layers(ck, d)
+    # this build's windows: patch 0002's resolution, as the doctor's "this build" rows say
+    assert layers == [{"num_kv_heads": 8, "head_dim": 128, "window": 2048}] * 4 + [
+        {"num_kv_heads": 8, "head_dim": 128, "window": None}
+    ]
+    target, note = kvcache.target_layers(Q36_TARGET)
+    assert target == [{"num_kv_heads": 4, "head_dim": 256, "window": None}] * 16
+    assert note.startswith("48 linear_attention layer(s) not counted")
+    # a sliding target layer keeps a SlidingWindowSpec; no layer_types: every layer full
+    gemma = {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 512,
+             "num_key_value_heads": 2, "head_dim": 64}  # fmt: skip
+    assert [x["window"] for x in kvcache.target_layers(gemma)[0]] == [512, None]
+    assert (
+        kvcache.target_layers({"num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4})[0]
+        == [{"num_kv_heads": 4, "head_dim": 16, "window": None}] * 3
+    )
+    with pytest.raises(CheckpointError, match="gives no num_key_value_heads / head_dim"):
+        kvcache.drafter_layers(Checkpoint("x", {"num_hidden_layers": 2}), d)
+
+
+def test_context_without_heads_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = q36()
+    for key in ("num_key_value_heads", "head_dim", "hidden_size", "num_attention_heads"):
+        cfg.pop(key)
+    code = main(["--root", str(REPO), "doctor", str(write_dir(tmp_path / "d", cfg)), "--context", "1024"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == CheckpointError.return_code and len(err) == 1 and err[0].startswith("error: the drafter config")
+
+
+@pytest.mark.heavy
+@pytest.mark.slow
+def test_context_sizes_the_kv_cache_with_vllms_own_specs(tmp_path: Path) -> None:
+    """`doctor --context` on Qwen3.6-27B-DFlash's shape (bf16) and its target: the bytes come from vLLM's spec classes
+    in this build's CPU environment; checked here against the page arithmetic (16-token blocks, 8 KV heads of 128, K
+    and V, 2 bytes): stock keeps 5 full layers, this build 1 full layer plus 4 sliding layers of window 2048 + 15
+    drafted tokens with one 2048-token prefill chunk (SlidingWindowSpec's admission bound), whatever the context."""
+    (tmp_path / "target.json").write_text(json.dumps(Q36_TARGET))
+    out = tmp_path / "d.json"
+    ck = REPO / "vllm_dflash" / "doctor" / "checkpoints" / "z-lab--Qwen3.6-27B-DFlash.json"
+    args = ["doctor", str(ck), "--target", str(tmp_path / "target.json"), "--context", "131072", "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm_dflash", "--root", str(REPO), *args], capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 20, run.stderr[-2000:]  # the verdict's exit code, unchanged by --context
+    kv = json.loads(out.read_text())["kv_cache"]
+    page = 16 * 8 * 128 * 2 * 2
+    full = 131072 // 16 * page
+    sliding = (-(-(2048 + 15 - 1 + 2048) // 16) + 1) * page
+    assert kv["per_sequence_bytes"] == {
+        "this_build": full + 4 * sliding,
+        "stock": 5 * full,
+        "target": 16 * (131072 // 16) * (16 * 4 * 256 * 2 * 2),
+    }
+    assert [x["spec"] for x in kv["this_build"]] == ["SlidingWindowSpec"] * 4 + ["FullAttentionSpec"]
+    assert {x["window"] for x in kv["this_build"][:4]} == {2048 + 15}
+    # vLLM's own KV-cache config code over the whole model's groups (no padding for this shape: every page is 64 KiB)
+    assert kv["reserved_bytes"] == {
+        "this_build": kv["per_sequence_bytes"]["this_build"] + kv["per_sequence_bytes"]["target"],
+        "stock": kv["per_sequence_bytes"]["stock"] + kv["per_sequence_bytes"]["target"],
+    }
+    assert "this build keeps 22.5% of stock's drafter KV cache" in run.stdout
+    assert "drafter share, stock 0.20.1: 23.8% of target + drafter" in run.stdout

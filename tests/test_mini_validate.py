@@ -174,6 +174,18 @@ def _check_serving(run: Run) -> None:
     assert int(line.split("chunked prefill: ", 1)[1].split("/", 1)[0]) >= 4, line
     for word in ("condition: ", "stock", "ours (validated)", "reference loop", "tokens/s"):
         assert word in run.stdout, word
+    # Prompts far longer than the drafter's window (16 + 7 drafted): at the end of the longest one, our build's sliding
+    # drafter group holds its window, its full groups the whole context (the server's own count, patch 0005); stock
+    # logs none (its drafter layers are all full, in the target's groups).
+    kv = r["kv_blocks_longest_prompt"]
+    longest = int(line.split("(longest ", 1)[1].split(" ", 1)[0])  # the serving-conditions line, in bytes = tokens
+    assert kv["prompt_tokens"] >= longest > 2 * (16 + 7), (kv["prompt_tokens"], longest)
+    drafter = [g for g in kv["groups"] if g["drafter_layers"]]
+    sliding = [g for g in drafter if g["window"]]
+    assert sliding and all(g["held"] < g["context_blocks"] for g in sliding), kv
+    assert all(g["held"] >= g["context_blocks"] for g in kv["groups"] if not g["window"]), kv
+    assert "kv_blocks_longest_prompt" not in r["comparisons"]["stock"]
+    assert "KV blocks held at the end of the longest prompt" in run.stdout
 
 
 def test_served_as_users_serve_batch_chunks_prefix_cache(serving: Run) -> None:

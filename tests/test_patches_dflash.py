@@ -25,6 +25,8 @@ REQUIRED_DEP3 = ("Description", "Origin", "Forwarded", "Applied-Upstream", "Bug"
 TAP = "0001-dflash-target-layer-taps.patch"
 SWA = "0002-dflash-sliding-window-layers.patch"
 CPU = "0003-cpu-attn-causal-window.patch"
+KV = "0004-dflash-drafter-kv-cache-by-window.patch"
+LOG = "0005-scheduler-log-kv-blocks-held.patch"
 CPU_QUEUE = (
     "0001-cpu-rejection-sampler-kwargs.patch",
     "0002-cpu-runner-aux-hidden-state-layers.patch",
@@ -38,6 +40,9 @@ CPU_QUEUE = (
 # wheel's copy differs from the sdist's, so an overlay would drop the wheel's own fix).
 DFLASH_ONLY = (
     "vllm/model_executor/models/qwen3_dflash.py",
+    "vllm/v1/spec_decode/dflash.py",
+    "vllm/envs.py",
+    "vllm/v1/core/sched/scheduler.py",
     "vllm/v1/worker/gpu_model_runner.py",
     "vllm/transformers_utils/configs/speculators/algos.py",
     "vllm/platforms/__init__.py",
@@ -65,13 +70,19 @@ def tree_0220(manifest: Manifest, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 def test_series_order_and_files(queue: dict[str, Patch]) -> None:
-    assert list(queue) == [TAP, SWA, CPU]
+    assert list(queue) == [TAP, SWA, CPU, KV, LOG]
     assert set(queue[TAP].files) == {
         "vllm/v1/worker/gpu_model_runner.py",
         "vllm/transformers_utils/configs/speculators/algos.py",
     }
     assert set(queue[SWA].files) == {"vllm/model_executor/models/qwen3_dflash.py"}
     assert set(queue[CPU].files) == {"vllm/v1/attention/backends/cpu_attn.py"}
+    assert set(queue[KV].files) == {
+        "vllm/model_executor/models/qwen3_dflash.py",
+        "vllm/v1/spec_decode/dflash.py",
+        "vllm/envs.py",
+    }
+    assert set(queue[LOG].files) == {"vllm/v1/core/sched/scheduler.py", "vllm/envs.py"}
 
 
 def test_cpu_queue_order_and_files(cpu_queue: dict[str, Patch], queue: dict[str, Patch]) -> None:
@@ -81,7 +92,7 @@ def test_cpu_queue_order_and_files(cpu_queue: dict[str, Patch], queue: dict[str,
     assert "vllm/v1/attention/backends/cpu_attn.py" in touched  # shared file: hunks checked on the real tree
 
 
-@pytest.mark.parametrize("name", [TAP, SWA, CPU, *(f"cpu/{n}" for n in CPU_QUEUE)])
+@pytest.mark.parametrize("name", [TAP, SWA, CPU, KV, LOG, *(f"cpu/{n}" for n in CPU_QUEUE)])
 def test_patch_is_format_patch_with_dep3_headers(manifest: Manifest, name: str) -> None:
     patch = load_patch(manifest.patches_dir / name)
     text = patch.path.read_text()
@@ -104,6 +115,9 @@ def test_headers_record_upstream_status(queue: dict[str, Patch]) -> None:
     for needle in ("#46104", "0.25.0", "#47914", "0.26.0"):
         assert needle in swa["Applied-Upstream"] + swa["Drop-When"], needle
     assert "0.24.0" in queue[CPU].headers["Drop-When"]
+    kv = queue[KV].headers
+    assert "V1 proposer supports drafters in several KV-cache groups" in kv["Drop-When"]
+    assert "#47914" in kv["Applied-Upstream"] and "50169" in kv["Bug"]
 
 
 def test_cpu_queue_headers_say_how_long_each_fix_is_needed(cpu_queue: dict[str, Patch]) -> None:
@@ -153,7 +167,7 @@ def test_cpu_queue_stays_out_of_the_dflash_hunks(queue: dict[str, Patch], cpu_qu
 @pytest.mark.slow
 def test_queue_applies_exactly_on_0201_sdist(sdist_tree, queue: dict[str, Patch]) -> None:  # type: ignore[no-untyped-def]
     checks = check_series(sdist_tree.path, list(queue.values()), ref=sdist_tree.base)
-    assert [c.state for c in checks] == [PatchState.APPLIES] * 3, [(c.patch.name, c.failures) for c in checks]
+    assert [c.state for c in checks] == [PatchState.APPLIES] * 5, [(c.patch.name, c.failures) for c in checks]
 
 
 @pytest.mark.slow
@@ -209,7 +223,15 @@ def test_patched_sources_compile_and_carry_the_fix(work_tree, queue: dict[str, P
     assert '"target_layer_ids": [i - 1 for i in aux_layer_ids]' in algos
     model = (root / "vllm/model_executor/models/qwen3_dflash.py").read_text()
     assert "def resolve_dflash_layer_attention(" in model
-    assert "self.attn.impl.sliding_window = window_size" in model  # the Attention itself keeps a full KV spec
+    assert "self.attn.impl.sliding_window = window_size" in model  # the backend's exact window (0002)
+    # 0004: a sliding layer's Attention gets a window (its KV-cache spec: SlidingWindowSpec), W + k tokens
+    assert "layer.self_attn.attn.sliding_window = window" in model and "def dflash_kv_cache_windows(" in model
+    assert "envs.VLLM_DFLASH_FULL_DRAFTER_KV" in model
+    proposer = (root / "vllm/v1/spec_decode/dflash.py").read_text()
+    assert "def initialize_attn_backend(" in proposer and "def validate_same_kv_cache_group(" in proposer
+    assert '"VLLM_DFLASH_FULL_DRAFTER_KV": lambda' in (root / "vllm/envs.py").read_text()
+    scheduler = (root / "vllm/v1/core/sched/scheduler.py").read_text()
+    assert "if envs.VLLM_DFLASH_LOG_KV_BLOCKS:" in scheduler and '"KV blocks held at finish: %s"' in scheduler
     assert '_DFLASH_EXACT_WINDOW_BACKENDS = ("FLASH_ATTN", "CPU_ATTN")' in model
     assert '"DFlash drafter attention: %s"' in model  # the per-layer log line at drafter load
     cpu = (root / "vllm/v1/attention/backends/cpu_attn.py").read_text()

@@ -331,3 +331,34 @@ def test_prompt_sets_by_name_and_file(tmp_path: Path) -> None:
         load_prompts("mt-bench")
     with pytest.raises(ManifestError, match="neither a known set nor a file"):
         load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_kv_blocks_of_the_longest_request_are_read_from_the_server_log(tmp_path: Path) -> None:
+    """The line our build's scheduler logs per finished request (VLLM_DFLASH_LOG_KV_BLOCKS=1, patch 0005): the report
+    keeps the longest prompt's, with each group's span; a log without such lines (stock) gives nothing."""
+    from vllm_dflash.validate import kvblocks
+
+    def line(rid: str, prompt: int, computed: int, held: list[int]) -> str:
+        groups = [
+            {"gid": 0, "spec": "FullAttentionSpec", "window": None, "block_size": 32, "layers": [0, 6],
+             "drafter_layers": 1, "held": held[0]},
+            {"gid": 1, "spec": "SlidingWindowSpec", "window": 23, "block_size": 32, "layers": [7, 8],
+             "drafter_layers": 2, "held": held[1]},
+        ]  # fmt: skip
+        entry = {"request": rid, "prompt_tokens": prompt, "output_tokens": computed - prompt + 1,
+                 "computed_tokens": computed, "groups": groups}  # fmt: skip
+        return f"(EngineCore pid=1) INFO 12-02 00:42:27 [scheduler.py:1885] {kvblocks.MARKER}{json.dumps(entry)}"
+
+    log = tmp_path / "vllm-serve-1.log"
+    log.write_text(
+        "\n".join([line("a", 80, 175, [6, 2]), "noise", kvblocks.MARKER + "{not json", line("b", 156, 251, [8, 2])])
+    )
+    got = kvblocks.from_log(log)
+    assert got is not None and got["request"] == "b"
+    assert [(g["held"], g["context_blocks"]) for g in got["groups"]] == [(8, 8), (2, 8)]
+    assert kvblocks.describe(got) == (
+        "KV blocks held at the end of the longest prompt (156 prompt + 96 output tokens, 8 blocks of context): group 0 "
+        "(full, 1 drafter layer(s)) 8; group 1 (sliding window 23, 2 drafter layer(s)) 2"
+    )
+    log.write_text("INFO a stock server's log\n")
+    assert kvblocks.from_log(log) is None and kvblocks.from_log(None) is None

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dflash.cli.common import checkout
-from vllm_dflash.conformance.cases import CASE_NAMES
-from vllm_dflash.conformance.compare import UNPROVEN_EXIT, ConformanceOptions, render, run_conformance
+from vllm_dflash.conformance.cases import CASE_NAMES, FULL_KV
+from vllm_dflash.conformance.compare import BUILDS, UNPROVEN_EXIT, ConformanceOptions, render, run_conformance
 from vllm_dflash.errors import ConformanceError
 
 _EPILOG = f"""\
@@ -30,7 +30,13 @@ def register(sub: Any) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--build", choices=("patched", "stock", "both"), default="both", help="which vLLM build(s) to run")
+    p.add_argument(
+        "--build",
+        choices=("patched", "stock", FULL_KV, "both"),
+        default="both",
+        help="which vLLM build(s) to run (both: patched and stock, and on the evict-* cases the patched build with "
+        f"today's full drafter KV cache, {FULL_KV}: VLLM_DFLASH_FULL_DRAFTER_KV=1)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where vLLM runs (default: cpu)")
     p.add_argument("--cases", nargs="+", choices=CASE_NAMES, metavar="CASE", default=None, help="subset of cases")
     p.add_argument("--report", type=Path, default=None, help="JSON report path (default: dist/conformance-DEVICE.json)")
@@ -45,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         if path is not None and not path.is_file():
             raise ConformanceError(f"{flag} {path}: no such file", "pass the path of a built .whl")
     co = checkout(args)
-    builds = ("patched", "stock") if args.build == "both" else (args.build,)
+    builds = BUILDS if args.build == "both" else (args.build,)
     options = ConformanceOptions(
         builds=builds,
         device=args.device,

@@ -50,6 +50,14 @@ def register(sub: Any) -> None:
         help="read this build's resolution from a patched qwen3_dflash.py instead of the checkout's patch 0002",
     )
     p.add_argument("--table", action="store_true", help="print the compatibility table of the shipped checkpoints")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also size the drafter's KV cache per sequence at N tokens (this build vs stock; the target's too with "
+        "--target), with vLLM's own KV-cache specs in this build's CPU environment",
+    )
     p.set_defaults(func=run)
 
 
@@ -96,6 +104,23 @@ def diagnosis(args: argparse.Namespace, code: ours.OurCode) -> tuple[Checkpoint,
     return ck, D.diagnose(ck, code, layers, source, archs)
 
 
+def _kv_cache(args: argparse.Namespace, ck: Any, d: D.Diagnosis) -> Any:
+    from vllm_dflash.cli.common import checkout
+    from vllm_dflash.doctor import kvcache
+    from vllm_dflash.doctor.checkpoint import read_json, resolve_dir
+
+    target = None
+    if args.target is not None:
+        path = args.target if args.target.is_file() else resolve_dir(args.target) / "config.json"
+        target = read_json(path, "target")
+    co = checkout(args)
+    sys.stdout.flush()
+    figures = kvcache.per_sequence(co.manifest, co.queues, ck, d, args.context, target)
+    print()
+    print(kvcache.render_text(figures))
+    return figures
+
+
 def run(args: argparse.Namespace) -> int:
     code = our_code(args)
     if args.table:
@@ -107,14 +132,16 @@ def run(args: argparse.Namespace) -> int:
         raise CheckpointError("no checkpoint given", "pass the drafter's config.json or directory (or --table)")
     ck, d = diagnosis(args, code)
     print(D.render_text(d))
+    kv = _kv_cache(args, ck, d).to_dict() if args.context is not None else None
+    extra: dict[str, Any] = {} if kv is None else {"kv_cache": kv}
     if d.mismatch:
-        _write_json(args, d)
+        _write_json(args, d, **extra)
         raise CheckpointError(f"this drafter does not fit this target: {d.mismatch}", "pair it with its own target")
     if not args.prove:
-        _write_json(args, d)
+        _write_json(args, d, **extra)
         return d.exit_code
     exit_code, claims = _prove(args, code, ck, d)
-    _write_json(args, d, exit_code, prove=claims)
+    _write_json(args, d, exit_code, prove=claims, **extra)
     return exit_code
 
 

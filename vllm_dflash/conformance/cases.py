@@ -53,6 +53,10 @@ NEG_CAUSAL_WINDOW = "causal-window"  # every sliding layer causal (the old readi
 NEG_TOP_LEVEL_IDS = "top-level-ids"  # target_layer_ids from the top level instead of dflash_config
 # Informational: the oracle that models stock 0.20.1 exactly (input taps + full attention). Not asserted.
 STOCK_MODEL = "stock-semantics"
+# The patched build run with VLLM_DFLASH_FULL_DRAFTER_KV=1 (every drafter layer keeps the whole context, all in one
+# KV-cache group): today's behaviour beside the windowed one, on the eviction cases.
+FULL_KV = "full-kv"
+FULL_KV_ENV = {"VLLM_DFLASH_FULL_DRAFTER_KV": "1"}
 
 
 # How a case's drafter config.json gives the sliding window W.
@@ -115,6 +119,11 @@ class CaseSpec:
     # transformers fills them (sliding from index max_window_layers on; `layer_types` is then what it fills in).
     layer_types_spelling: str = "explicit"
     max_window_layers: int = 0
+    # The context runs far past the window with small KV blocks, so vLLM frees a sliding drafter layer's blocks: the
+    # patched build must show a sliding drafter group holding fewer blocks than the context spans, plateauing at its
+    # window; the full-kv control (VLLM_DFLASH_FULL_DRAFTER_KV=1) every drafter layer holding the whole context.
+    evict: bool = False
+    kv_cache_bytes: int | None = None  # vLLM's KV cache (kv_cache_memory_bytes); None: vllm_side.CPU_KV_CACHE_BYTES
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -159,8 +168,10 @@ class CaseSpec:
 
     @property
     def builds(self) -> tuple[str, ...]:
-        """The builds this case runs on (refusal cases and "skip" cases do not run stock)."""
-        return ("patched",) if self.refusal or self.expect_stock == "skip" else ("patched", "stock")
+        """The builds this case runs on (refusal cases and "skip" cases do not run stock; single-rank eviction cases
+        also run the patched build with VLLM_DFLASH_FULL_DRAFTER_KV=1, today's full drafter KV cache: FULL_KV)."""
+        builds = ("patched",) if self.refusal or self.expect_stock == "skip" else ("patched", "stock")
+        return (*builds, FULL_KV) if self.evict and self.tensor_parallel_size == 1 else builds
 
     @property
     def is_serving(self) -> bool:
@@ -202,6 +213,8 @@ SERVING_FIELDS: tuple[str, ...] = (
     "dtype",
     "requires_cpu_flag",
     "drafter_heads",
+    "evict",
+    "kv_cache_bytes",
 )
 
 
@@ -212,6 +225,9 @@ GENERATOR_VERSION = 2
 _WINDOW_NEGS = (NEG_FULL_ATTN, NEG_WINDOW_MINUS, NEG_WINDOW_PLUS)
 _MIXED = (SLIDING, SLIDING, FULL)
 REAL_WINDOW = 24  # real-shape: a window longer than the 16-token block, as 2048 is for the real drafter
+EVICT_KV_BLOCK = 16  # vLLM's KV block in the eviction cases: a window of 8 (+3 drafted) spans at most 2 of them
+EVICT_BATCHED_KV_BYTES = 2 << 20  # evict-batched's whole KV cache: freed blocks must be handed out again
+EVICT_NON_CAUSAL_KV_BYTES = 5 << 18  # 1.25 MiB: 80 blocks of 2 layers in the windowed layout, 22 in the full one
 
 CASES: tuple[CaseSpec, ...] = (
     CaseSpec(
@@ -439,6 +455,108 @@ CASES: tuple[CaseSpec, ...] = (
         dtype="bfloat16",
         requires_cpu_flag="avx512_bf16",
     ),
+    # ---- eviction: contexts far past the window with KV blocks of 16 tokens, so vLLM frees the sliding drafter
+    # layers' blocks outside their window (W 8 + k 3 = 11 tokens kept: at most 3 blocks at a decode step) ----
+    CaseSpec(
+        name="evict-long",
+        summary="one 150-token prompt, 48 tokens generated, KV blocks of 16: the sliding drafter layers' blocks freed",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        negatives=(NEG_FULL_ATTN,),
+        seed=20,
+        prompt_lengths=(150,),
+        max_tokens=48,  # the context grows by 3 blocks while the sliding group stays at its window
+        kv_block_size=EVICT_KV_BLOCK,
+        evict=True,
+    ),
+    CaseSpec(
+        name="evict-batched",
+        summary="4 prompts (70-145 tokens) batched in a KV cache so small that freed blocks are handed out again",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        negatives=(NEG_FULL_ATTN,),
+        seed=21,
+        prompt_lengths=(70, 95, 120, 145),
+        max_tokens=16,
+        batched=True,
+        max_num_seqs=4,
+        max_num_batched_tokens=512,
+        kv_block_size=EVICT_KV_BLOCK,
+        evict=True,
+        kv_cache_bytes=EVICT_BATCHED_KV_BYTES,
+    ),
+    CaseSpec(
+        name="evict-chunked",
+        summary="a 137-token prompt prefilled in chunks of 22, blocks freed mid-prefill, a last chunk of 5 tokens",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        negatives=(NEG_FULL_ATTN,),
+        seed=22,
+        # chunks of 22 (a budget of 24 minus the 2 slots DFlash reserves): boundaries 22, 44, ..., 132; the first
+        # proposal's window (130..136) crosses the last one, and blocks before 112 are already freed by then
+        prompt_lengths=(137,),
+        max_tokens=16,
+        max_num_batched_tokens=24,
+        min_prefill_chunks=6,
+        kv_block_size=EVICT_KV_BLOCK,
+        evict=True,
+    ),
+    CaseSpec(
+        name="evict-prefix",
+        summary="prefix caching, a 90-token shared prefix (11x the window), submitted twice: hits in the sliding group",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        negatives=(NEG_FULL_ATTN,),
+        seed=23,
+        prompt_lengths=(100, 124),
+        max_tokens=16,
+        prefix_caching=True,
+        kv_block_size=EVICT_KV_BLOCK,
+        rounds=2,
+        shared_prefix=90,
+        evict=True,
+    ),
+    CaseSpec(
+        name="evict-non-causal",
+        summary="is_causal false (symmetric windows, the CPU queue's torch path), 2 prompts batched in a small cache",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        is_causal=False,
+        negatives=(NEG_FULL_ATTN,),
+        seed=25,
+        prompt_lengths=(120, 150),
+        max_tokens=16,
+        batched=True,
+        max_num_seqs=2,
+        kv_block_size=EVICT_KV_BLOCK,
+        evict=True,
+        kv_cache_bytes=EVICT_NON_CAUSAL_KV_BYTES,
+        # stock reads no is_causal: on this case it computes what evict-long shows
+        expect_stock="skip",
+    ),
+    CaseSpec(
+        name="evict-tp2",
+        summary="tensor_parallel_size 2, 2 prompts of 120 and 150 tokens batched, KV blocks of 16: blocks freed",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        negatives=(NEG_FULL_ATTN,),
+        seed=24,
+        prompt_lengths=(120, 150),
+        max_tokens=16,
+        batched=True,
+        max_num_seqs=2,
+        tensor_parallel_size=2,
+        kv_block_size=EVICT_KV_BLOCK,
+        evict=True,
+        # stock at TP 2 is tp2-mixed; the full-kv control runs on the single-rank eviction cases
+        expect_stock="skip",
+    ),
     # ---- configs the patched build must refuse at start-up (one line naming the field) ----
     CaseSpec(
         name="refuse-no-window",
@@ -580,6 +698,7 @@ class CaseFile:
     rounds: int = 1
     tensor_parallel_size: int = 1
     negatives: list[str] = field(default_factory=list)  # the negative-control oracles the trace is also run against
+    kv_cache_bytes: int | None = None  # vLLM's KV cache size (None: vllm_side's default)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

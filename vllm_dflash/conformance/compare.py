@@ -43,7 +43,8 @@ from vllm_dflash.manifest import Manifest
 from vllm_dflash.pipeline.build import cached_build
 from vllm_dflash.series import Queues
 
-BUILDS = ("patched", "stock")
+BUILDS = ("patched", "stock", C.FULL_KV)  # full-kv: the patched wheel with today's full drafter KV (evict cases)
+PASSING_BUILDS = ("patched", C.FULL_KV)  # builds that must pass every case they run
 DEVICES = ("cpu", "cuda")
 # Exit codes of `vllm-dflash conformance` when the run completed (errors use their own codes): a verdict is wrong;
 # every case that ran is as expected but some could not run on this machine (so nothing is claimed for them).
@@ -101,6 +102,15 @@ class Outcome:
     lossless_requests: str = ""  # "equal/requests" (exact output match count)
     dtype: str = "float32"
     lossless_compared: str = ""  # "tokens/requests" the lossless check compared
+    # Added for the KV-cache groups (eviction cases): per group holding drafter layers a label, and for the longest
+    # request its (tokens with KV, tokens allocated, blocks held per such group) at every slot allocation; freed
+    # blocks handed out again during the run; vLLM's own per-request KV bytes and maximum concurrency for the layout.
+    kv_groups: tuple[str, ...] = ()
+    kv_series: tuple[tuple[int, ...], ...] = ()
+    kv_reused: int | None = None
+    kv_bytes_per_request: int | None = None
+    kv_max_concurrency: float | None = None
+    kv_block_size: int | None = None
 
     @property
     def unproven(self) -> bool:
@@ -340,7 +350,7 @@ def judge(
     spec: C.CaseSpec, build: str, metrics: Mapping[str, Any] | None, tol: C.Tolerance, error: str = ""
 ) -> Outcome:
     """Verdict for one build on one case, from the oracle's metrics."""
-    expected: str = "pass" if build == "patched" else spec.expect_stock
+    expected: str = "pass" if build in PASSING_BUILDS else spec.expect_stock
     if metrics is None:
         return Outcome(spec.name, build, "error", expected, False, reasons=(error or "no metrics",))
     main = metrics["main"]
@@ -373,6 +383,7 @@ def judge(
     if compared < tol.min_lossless_requests:
         reasons.append(f"lossless compared on {compared} request(s) < {tol.min_lossless_requests}")
     reasons += serving_problems(spec, metrics)
+    reasons += kv_problems(spec, build, metrics)
     al = metrics["acceptance_length"]
     if spec.zero_lm_head:
         k = metrics["k"]
@@ -385,7 +396,7 @@ def judge(
         if name != C.STOCK_MODEL
     )
     stock_model = metrics["variants"].get(C.STOCK_MODEL, {}).get("max_abs")
-    if build == "patched":
+    if build in PASSING_BUILDS:
         weak = [n.name for n in negatives if not n.disagrees]
         if weak:
             reasons.append(
@@ -423,6 +434,7 @@ def judge(
         lossless_requests=f"{metrics.get('lossless_requests', 0)}/{metrics.get('requests', 0)}",
         dtype=str(metrics.get("dtype", "float32")),
         lossless_compared=f"{metrics.get('lossless_compared', 0)}/{compared}",
+        **_kv_fields(metrics),
     )
 
 
@@ -467,10 +479,93 @@ def serving_problems(spec: C.CaseSpec, metrics: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _drafter_groups(layout: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The KV-cache groups that hold drafter layers."""
+    return [g for g in layout.get("groups") or () if int(g.get("drafter_layers", 0)) > 0]
+
+
+def _group_label(g: Mapping[str, Any]) -> str:
+    kind = f"sliding {g['window']}" if g.get("window") else "full"
+    others = int(g["layers"]) - int(g["drafter_layers"])
+    return f"g{g['gid']} {kind} ({g['drafter_layers']} drafter" + (f" + {others} target" if others else "") + ")"
+
+
+def _kv_fields(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The Outcome's KV-cache fields from the oracle's metrics (empty where the trace has no KV records)."""
+    layout = metrics.get("kv_layout")
+    blocks = metrics.get("kv_blocks") or {}
+    if not layout or not blocks:
+        return {}
+    groups = _drafter_groups(layout)
+    longest = max(blocks.values(), key=lambda rows: rows[-1][1])
+    return {
+        "kv_groups": tuple(_group_label(g) for g in groups),
+        "kv_series": tuple((int(r[0]), int(r[1]), *(int(r[2 + g["gid"]]) for g in groups)) for r in longest),
+        "kv_reused": int(metrics.get("kv_reused", 0)),
+        "kv_bytes_per_request": layout.get("bytes_per_request"),
+        "kv_max_concurrency": layout.get("max_concurrency"),
+        "kv_block_size": int(groups[0]["block_size"]) if groups else None,
+    }
+
+
+def _evicted(row: Sequence[int], g: Mapping[str, Any]) -> bool:
+    """Whether group `g` holds fewer blocks than the row's allocated tokens span (blocks were freed)."""
+    return int(row[2 + g["gid"]]) < -(-int(row[1]) // int(g["block_size"]))
+
+
+def kv_problems(spec: C.CaseSpec, build: str, metrics: Mapping[str, Any]) -> list[str]:
+    """An eviction case must show what it is about, from the recorder's per-allocation block counts: on the patched
+    build a sliding drafter group that holds fewer blocks than the context spans at the end of every request and, at
+    every decode step, no more than its window allows (window - 1 + 2k tokens: the drafted tokens and their
+    lookahead); where the case chunks its prefill, blocks freed before the prefill ended; with prefix caching, a
+    request whose cache hit left the blocks outside the window out. On the full-kv control every group with drafter
+    layers holds the whole context. Stock is not judged on it (its drafter layers are all full, like full-kv's)."""
+    if not spec.evict or build not in PASSING_BUILDS:
+        return []
+    layout = metrics.get("kv_layout")
+    blocks = metrics.get("kv_blocks") or {}
+    if not layout or not blocks:
+        return ["no KV-cache block records (the recorder saw no scheduler): eviction not shown"]
+    groups = _drafter_groups(layout)
+    sliding = [g for g in groups if g.get("window")]
+    k = int(metrics.get("k", 0))
+    lengths = [int(n) for n in metrics.get("prompt_lengths") or []]
+    prompt = {req: lengths[int(req)] if int(req) < len(lengths) else 0 for req in blocks}
+    if build == C.FULL_KV:
+        out = [f"{C.FULL_KV}: drafter layers in sliding-window group {g['gid']}" for g in sliding]
+        for req, rows in blocks.items():
+            short = [g["gid"] for g in groups if _evicted(rows[-1], g)]
+            if short:
+                out.append(f"{C.FULL_KV}: request {req}'s group(s) {short} hold less than the whole context")
+        return out
+    if not sliding:
+        return ["no drafter layer keeps a sliding-window KV-cache spec: nothing can be freed"]
+    out = []
+    for req, rows in blocks.items():
+        for g in sliding:
+            col = 2 + g["gid"]
+            if not _evicted(rows[-1], g):
+                out.append(f"request {req}: sliding group {g['gid']} holds all {rows[-1][col]} blocks at the end")
+            cap = (int(g["window"]) - 1 + 2 * k) // int(g["block_size"]) + 2
+            over = [r for r in rows if r[0] > prompt[req] and r[col] > cap]
+            if over:
+                out.append(
+                    f"request {req}: sliding group {g['gid']} holds {over[0][col]} blocks at {over[0][0]} tokens, "
+                    f"more than its window allows ({cap})"
+                )
+    if spec.min_prefill_chunks and not any(
+        r[0] < prompt[req] and any(_evicted(r, g) for g in sliding) for req, rows in blocks.items() for r in rows
+    ):
+        out.append("no block was freed before a prefill ended: the chunks never crossed an eviction")
+    if spec.prefix_caching and not any(any(_evicted(rows[0], g) for g in sliding) for rows in blocks.values()):
+        out.append("no prefix-cache hit left the blocks outside the window out of a sliding group")
+    return out
+
+
 def judge_unproven(spec: C.CaseSpec, build: str, reason: str) -> Outcome:
     """A case this machine cannot run (e.g. bf16 without avx512_bf16): unproven, with the reason. Not a failure, and
     never a pass: the run's verdict is then "unproven" (exit UNPROVEN_EXIT), not "pass"."""
-    expected = "pass" if build == "patched" else spec.expect_stock
+    expected = "pass" if build in PASSING_BUILDS else spec.expect_stock
     return Outcome(spec.name, build, UNPROVEN, expected, False, reasons=(f"not run on this machine: {reason}",))
 
 
@@ -573,8 +668,10 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
         else:
             wheel = options.patched_wheel or patched_wheel(manifest, queues, options.device)
         wheels[build] = wheel
-        print(f"== {build}: {wheel.name}", flush=True)
+        print(f"== {build}: {wheel.name}" + (f" with {C.FULL_KV_ENV}" if build == C.FULL_KV else ""), flush=True)
         runner = vllm_runner(manifest, queues, wheel, options.device)
+        if build == C.FULL_KV:
+            runner = Runner(runner.python, {**runner.environ, **C.FULL_KV_ENV})
         jobs = [(s.name, dirs[s.name], work / build / f"{s.name}.jsonl") for s in runnable if build in s.builds]
         (work / build).mkdir(parents=True, exist_ok=True)
         # Tensor-parallel cases in a process of their own: a fresh process starts vLLM's engine and worker processes
@@ -687,7 +784,7 @@ def render(result: ConformanceResult) -> None:
     # Not a terminal (CI logs, pytest): rich would wrap the table at 80 columns and truncate the headers.
     console = Console(width=None if sys.stdout.isatty() else 160)
     table = Table(title=f"DFlash conformance vs dflash 0.1.0 reference ({result.device})")
-    cols = (
+    cols: tuple[str, ...] = (
         "case",
         "build",
         "steps",
@@ -701,6 +798,11 @@ def render(result: ConformanceResult) -> None:
         "expected",
         "ok",
     )
+    # The KV-cache blocks of the eviction cases (every case records them; the others span a block or two).
+    evict = {c.name for c in C.CASES if c.evict}
+    kv = any(o.kv_series and o.case in evict for o in result.outcomes)
+    if kv:
+        cols = (*cols[:-3], "drafter KV blocks held/spanned", *cols[-3:])
     for col in cols:
         table.add_column(col)
     for o in result.outcomes:
@@ -712,7 +814,7 @@ def render(result: ConformanceResult) -> None:
         drafts = "-"
         if o.proposals_recorded is not None and o.proposals_unverified is not None:
             drafts = f"{o.proposals_recorded}/{o.num_drafts}+{o.proposals_unverified}"
-        table.add_row(
+        row = [
             o.case,
             o.build,
             str(o.steps),
@@ -725,8 +827,13 @@ def render(result: ConformanceResult) -> None:
             o.status.upper(),
             o.expected,
             f"[{color}]{mark}[/]",
-        )
+        ]
+        if kv:
+            row.insert(-3, kv_cell(o) if o.case in evict else "-")
+        table.add_row(*row)
     console.print(table)
+    for case in dict.fromkeys(o.case for o in result.outcomes if o.kv_series and o.case in evict):
+        console.print(kv_table(case, [o for o in result.outcomes if o.case == case and o.build in PASSING_BUILDS]))
     neg = Table(title="negative-control oracles vs the patched build (each must disagree)")
     for col in ("case", "oracle", "max |Δlogit|", "disagrees"):
         neg.add_column(col)
@@ -748,6 +855,40 @@ def render(result: ConformanceResult) -> None:
             style = "yellow" if o.unproven else "green" if o.as_expected else "red"
             console.print(f"  {o.case}/{o.build}: {r}", style=style)
     console.print(summary_line(result), soft_wrap=True)  # one line, whatever the width: scripts grep it
+
+
+def kv_cell(o: Outcome) -> str:
+    """Blocks held / spanned at the end of the longest request, per KV-cache group with drafter layers."""
+    if not o.kv_series:
+        return "-"
+    last = o.kv_series[-1]
+    spanned = -(-last[1] // (o.kv_block_size or 1))
+    return "; ".join(
+        f"{label.split(' (')[0]} {held}/{spanned}" for label, held in zip(o.kv_groups, last[2:], strict=True)
+    )
+
+
+def kv_table(case: str, outcomes: Sequence[Outcome]) -> Any:
+    """Blocks each KV-cache group with drafter layers holds against the context, longest request, per build."""
+    from rich.table import Table
+
+    table = Table(title=f"{case}: KV blocks held per drafter group against context (longest request)")
+    table.add_column("tokens with KV")
+    points: dict[int, dict[str, int]] = {}
+    for o in outcomes:
+        for label in o.kv_groups:
+            table.add_column(f"{o.build} {label}")
+        for row in o.kv_series:
+            points.setdefault(row[0], {}).update(
+                {f"{o.build} {label}": held for label, held in zip(o.kv_groups, row[2:], strict=True)}
+            )
+    names = [c.header for c in table.columns[1:]]
+    keys = sorted(points)
+    # The end of the prefill, then every 16 tokens of context, then the end.
+    shown = [t for i, t in enumerate(keys) if i in (0, len(keys) - 1) or t // 16 != keys[i - 1] // 16]
+    for t in shown:
+        table.add_row(str(t), *(str(points[t].get(str(n), "-")) for n in names))
+    return table
 
 
 def summary_line(result: ConformanceResult) -> str:

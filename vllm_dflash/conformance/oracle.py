@@ -318,6 +318,11 @@ class CaseMetrics:
         default_factory=list
     )  # per request: starts of proposals drafted mid-prefill
     prompt_lengths: list[int] = field(default_factory=list)  # per request
+    # KV-cache groups (from the recorder through the trace summary; see vllm_side): the layout, per request its
+    # [tokens with KV, tokens allocated, blocks held per group] at every slot allocation, freed blocks handed out again.
+    kv_layout: dict[str, Any] | None = None
+    kv_blocks: dict[str, list[list[int]]] = field(default_factory=dict)
+    kv_reused: int = 0
     elapsed_s: float = 0.0  # the oracle's time on this trace
 
 
@@ -522,6 +527,9 @@ def evaluate(
     m.prefix_cache_hits = int(summary.get("prefix_cache_hits", 0))
     m.prefix_cache_hits_by_round = [int(x) for x in summary.get("prefix_cache_hits_by_round") or []]
     m.dtype = str(summary.get("dtype", "float32"))
+    m.kv_layout = summary.get("kv_layout")
+    m.kv_blocks = dict(summary.get("kv_blocks") or {})
+    m.kv_reused = int(summary.get("kv_reused", 0))
     m.num_drafts = int(summary.get("num_drafts", 0))
     m.num_draft_tokens = int(summary.get("num_draft_tokens", 0))
     m.num_accepted_tokens = int(summary.get("num_accepted_tokens", 0))

@@ -274,6 +274,7 @@ def build_case(spec: C.CaseSpec, out: Path) -> Path:
             kv_block_size=spec.kv_block_size,
             rounds=spec.rounds,
             tensor_parallel_size=spec.tensor_parallel_size,
+            kv_cache_bytes=spec.kv_cache_bytes,
         )
         (tmp / CASE_FILE).write_text(case.to_json())
     return out

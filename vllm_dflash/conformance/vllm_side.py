@@ -18,7 +18,10 @@ One JSON line per proposal:
      "block_start", "block_input_ids", "block_positions" (the drafter's input as recorded), "logits" (k rows x
      vocab), "draft_ids" (k, what vLLM proposed)}
 then {"summary": {"outputs", "request_prompts", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-"accepted_per_pos", "prefix_cache_hits", "num_proposals_recorded", "proposals_by_kind", ...}}.
+"accepted_per_pos", "prefix_cache_hits", "num_proposals_recorded", "proposals_by_kind", "kv_layout", "kv_blocks",
+"kv_reused", ...}}. The KV-cache fields come from the recorder's scheduler-side records: the groups (which hold drafter
+layers, their spec and window) with vLLM's own per-request bytes and maximum concurrency, and per request, at every
+slot allocation, [tokens with KV after the step, tokens allocated (with lookahead), blocks held per group].
 
 A case whose config the build must refuse (case.json "refusal") records, instead of proposals, whether vLLM refused to
 start and the log line that says why: {"summary": {"refused": bool, "refusal_line": str | null, ...}}. The drafter is
@@ -42,6 +45,7 @@ from typing import Any
 
 PLUGIN_ENABLE_VAR = "VLLM_DFLASH_TEST_PLUGIN"
 RECORD_FILE_VAR = "VLLM_DFLASH_RECORD_FILE"  # the plugin's recorder appends one line per proposal here
+KV_SUFFIX = ".kv"  # ... and its KV-cache group records to this file next to it (recorder.KV_SUFFIX)
 # The CPU executor for single-rank cases, chosen by measurement (benchmarks/bench_conformance.py --executors; 2 cores,
 # load ~10-17, chunked / prefix-cached patched): uni init 11.2 / 1.6 s, generate 10.7 / 41.7 s; uni-1t init 49.2 (the
 # process's first engine) / 8.3 s, generate 1.4 / 2.6 s; mp init 109 s, generate 7.6 s (chunked). One OpenMP thread
@@ -163,6 +167,28 @@ def _read_layout(path: Path) -> dict[str, Any] | None:
 
 
 ATTENTION_LINE = "DFlash drafter attention:"  # what this build logs per drafter layer at start-up (patch 0002)
+
+
+def kv_records(path: Path) -> list[dict[str, Any]]:
+    """The recorder's KV-cache group records (layout and allocation lines) for the case being run."""
+    kv = path.with_name(path.name + KV_SUFFIX)
+    return _read_lines(kv) if kv.exists() else []
+
+
+def kv_blocks_by_request(records: list[dict[str, Any]], requests: list[Request]) -> dict[int, list[list[int]]]:
+    """Per request of one generate call (by index): [tokens with KV after the step, tokens allocated, blocks held per
+    group...] at each slot allocation, mapped by prompt (prompts are distinct within a call)."""
+    by_sha = {prompt_sha(r.prompt): r.index for r in requests}
+    out: dict[int, list[list[int]]] = {}
+    for rec in records:
+        alloc = rec.get("alloc")
+        if not alloc or alloc.get("prompt_sha") not in by_sha:
+            continue
+        tokens = int(alloc["computed"]) + int(alloc["new"])
+        out.setdefault(by_sha[alloc["prompt_sha"]], []).append(
+            [tokens, tokens + int(alloc["lookahead"]), *[int(h) for h in alloc["held"]]]
+        )
+    return out
 
 
 def prompt_sha(ids: list[int]) -> str:
@@ -341,7 +367,7 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
     if case.get("kv_block_size"):
         llm_kwargs["block_size"] = int(case["kv_block_size"])
     if device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # that (legacy, whole GiB) would override it
-        llm_kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        llm_kwargs["kv_cache_memory_bytes"] = int(case.get("kv_cache_bytes") or CPU_KV_CACHE_BYTES)
     if case.get("refusal"):
         return check_refusal(case_dir, out_path, llm_kwargs, case["refusal"])
     startup: list[str] = []
@@ -366,8 +392,10 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
     assigned: list[tuple[Request, dict[str, Any]]] = []
     hits_after_round: list[int] = []
     t1 = time.perf_counter()
+    kv_blocks: dict[int, list[list[int]]] = {}
     for n, call in enumerate(calls):
         before = len(_read_records(record_file))
+        kv_before = len(kv_records(record_file))
         res = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in call], params, use_tqdm=False)
         got = {int(r.request_id): r for r in res} if all(r.request_id.isdigit() for r in res) else None
         ordered = [got[k] for k in sorted(got)] if got is not None else list(res)
@@ -379,6 +407,7 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
             raise RuntimeError(f"{case_dir.name}: vLLM's outputs do not come back in the order they were submitted")
         requests.extend(reqs)
         assigned.extend(assign_blocks(_read_records(record_file)[before:], reqs, case.get("name", case_dir.name)))
+        kv_blocks.update(kv_blocks_by_request(kv_records(record_file)[kv_before:], reqs))
         if (n + 1) % max(1, len(calls) // int(case.get("rounds", 1))) == 0:
             hits_after_round.append(_spec_metrics(llm)["prefix_cache_hits"])
     t_gen = time.perf_counter() - t1
@@ -415,6 +444,8 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
             )
         )
     metrics = _spec_metrics(llm)
+    kv_all = kv_records(record_file)
+    layouts = [r["layout"] for r in kv_all if "layout" in r]
     summary = {
         "case": case.get("name", case_dir.name),
         "outputs": [r.output for r in requests],
@@ -428,6 +459,9 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
         "proposals_beyond_output": kinds["beyond-output"],
         "proposals_by_kind": kinds,
         "prefix_cache_hits_by_round": hits_after_round,
+        "kv_layout": layouts[-1] if layouts else None,
+        "kv_blocks": {str(i): rows for i, rows in sorted(kv_blocks.items())},
+        "kv_reused": max((int(r["alloc"]["reused"]) for r in kv_all if "alloc" in r), default=0),
         "executor": "mp" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1" else executor,
         "tensor_parallel_size": int(case.get("tensor_parallel_size", 1)),
         "dtype": llm_kwargs["dtype"],
@@ -465,12 +499,14 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         record_file = out.with_name(out.name + ".records")
         record_file.unlink(missing_ok=True)
+        record_file.with_name(record_file.name + KV_SUFFIX).unlink(missing_ok=True)
         os.environ[RECORD_FILE_VAR] = str(record_file)
         _prepare_environ(device)
         try:
             summary = run_case(case_dir, out, device, executor)
         finally:
             record_file.unlink(missing_ok=True)
+            record_file.with_name(record_file.name + KV_SUFFIX).unlink(missing_ok=True)
         if "refused" in summary:
             print(f"vllm_side: {summary['case']}: refused={summary['refused']}: {summary['refusal_line']}", flush=True)
             continue

@@ -32,6 +32,7 @@ from vllm_dflash.mini import host
 from vllm_dflash.paths import fill_atomic
 from vllm_dflash.pipeline.build import cached_build
 from vllm_dflash.series import Queues
+from vllm_dflash.validate import kvblocks
 from vllm_dflash.validate.smoke import Prompt, Reference, ServerChoice
 
 PLACEHOLDERS = {"target": "@mini/target", "drafter": "@mini/drafter", "prompts": "@mini"}
@@ -278,6 +279,8 @@ def closing_note(report: Mapping[str, Any], conditions: str = "") -> str:
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     if base.get("speedup") is not None:
         lines.append(f"  ours vs no speculation, same settings: {base['speedup']:.2f}x output tokens/s (not a gate)")
+    if report.get("kv_blocks_longest_prompt"):
+        lines.append("  ours: " + kvblocks.describe(report["kv_blocks_longest_prompt"]))
     for m in (report.get("lossless_vs_reference") or {}).get("mismatches") or []:
         lines.append(f"  mismatch {m['id']}: first differs at output token {m['position']}")
     for row in report.get("mismatch_analysis") or []:

@@ -27,7 +27,7 @@ from vllm_dflash import __version__
 from vllm_dflash import report as reports
 from vllm_dflash.errors import MeasurementError
 from vllm_dflash.manifest import Profile
-from vllm_dflash.validate import client, metrics
+from vllm_dflash.validate import client, kvblocks, metrics
 from vllm_dflash.validate.gates import Verdict, condition_gates, judge
 from vllm_dflash.validate.promptsets import Prompt, load_prompts, own_prompt_set, profile_prompts, prompts_digest
 from vllm_dflash.validate.render import render
@@ -318,6 +318,9 @@ class Measurement:
     after: metrics.SpecCounters
     run: RunResult
     timings: Mapping[str, float]
+    # The KV blocks each group held when the longest request finished, from the server's log (our build with
+    # VLLM_DFLASH_LOG_KV_BLOCKS=1; None otherwise): see validate/kvblocks.py.
+    kv_blocks: Mapping[str, Any] | None = None
 
     @property
     def delta(self) -> metrics.SpecCounters:
@@ -357,7 +360,8 @@ def measure(
         timings["scrape_after_s"] = time.monotonic() - t
         timings["requests_busy_s"] = run.busy_s
         described = {"base_url": server.base_url, **server.provenance.as_dict()}
-    return Measurement(server=described, before=before, after=after, run=run, timings=timings)
+        kv = kvblocks.from_log(server.log_path)
+    return Measurement(server=described, before=before, after=after, run=run, timings=timings, kv_blocks=kv)
 
 
 def first_difference(got: str, want: str) -> int:
@@ -387,6 +391,8 @@ def _comparison(m: Measurement, reference: Reference | None, k: int, method: str
     }
     if reference is not None:
         out["lossless_vs_reference"] = _matching(m.texts(), reference.texts)
+    if m.kv_blocks is not None:
+        out["kv_blocks_longest_prompt"] = dict(m.kv_blocks)
     return out
 
 
@@ -459,6 +465,8 @@ def validate(
             "wall_s": m.run.wall_s,
             "tokens_per_s": m.run.tokens_per_s,
         }
+        if m.kv_blocks is not None:
+            body["kv_blocks_longest_prompt"] = dict(m.kv_blocks)
         # MeasurementError on no speculation, zero drafts, or counts no vLLM can produce.
         acc = metrics.acceptance(delta, profile.num_speculative_tokens, profile.method)
         body["acceptance"] = acc.as_dict()

@@ -13,6 +13,16 @@ append one JSON line per request block to the file named by $VLLM_DFLASH_RECORD_
 map a block to its request by its prompt and check that against the block's positions and bonus token.
 
 Under tensor parallelism every rank runs the drafter; only tensor-parallel rank 0 records (its logits are gathered).
+KV-cache groups: in the process that runs vLLM's scheduler, the recorder also appends to $VLLM_DFLASH_RECORD_FILE.kv
+one line with the KV-cache layout when a scheduler starts, and one line per slot allocation that succeeded (every
+scheduled request of every step) with the blocks each KV-cache group then holds for that request:
+    {"layout": {"groups": [{"gid", "spec", "window", "block_size", "layers", "drafter_layers"}], "num_blocks",
+     "max_concurrency", "bytes_per_request" (both as vLLM's own KV-cache config code computes them), "max_model_len"}}
+    {"alloc": {"req_id", "prompt_sha", "prompt_len", "computed", "new", "lookahead", "held": [per group],
+     "reused": freed blocks of a running request's group that this allocation handed out again (so far)}}
+A layer is a drafter layer when its index is at least the target's layer count (the drafter's layers follow the
+target's in vLLM's naming).
+
 Nothing is changed: every wrapper returns what the wrapped method returns (unless $VLLM_DFLASH_RECORDER_PERTURB=1,
 which only the test that the run catches a proposal other than the drafter's argmax sets).
 """
@@ -23,13 +33,19 @@ import functools
 import hashlib
 import json
 import os
+import re
 from typing import Any
 
 RECORD_FILE_VAR = "VLLM_DFLASH_RECORD_FILE"
 # Test-only, for the test that the run catches it: "1" makes propose() return, for every request, a first draft id
 # one above what the drafter computed (so not the argmax of the logits it recorded); vLLM then verifies those ids.
 PERTURB_VAR = "VLLM_DFLASH_RECORDER_PERTURB"
+KV_SUFFIX = ".kv"  # the KV-cache group records go to $VLLM_DFLASH_RECORD_FILE + this
 _state: dict[str, Any] = {"active": False, "block": None, "logits": None, "call": 0, "runner": None}
+# Per KV-cache manager: each request's block ids per group at its last allocation, the ids freed while their request
+# was still running (a sliding-window group dropping blocks outside its window), and how often those came back.
+_kv: dict[int, dict[str, Any]] = {}
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
 def prompt_sha(ids: list[int]) -> str:
@@ -146,6 +162,114 @@ def _write_layout(runner: Any) -> None:
         f.write(json.dumps({"layout": _layout(runner)}) + "\n")
 
 
+def _append_kv(record: dict[str, Any]) -> None:
+    path = os.environ.get(RECORD_FILE_VAR)
+    if path:
+        with open(path + KV_SUFFIX, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _kv_layout(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+    """The KV-cache groups as the scheduler sees them, and what vLLM's own config code computes from them."""
+    from vllm.v1.core import kv_cache_utils
+
+    target_layers = int(vllm_config.model_config.hf_text_config.num_hidden_layers)
+    groups = []
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        idx = [int(m.group(1)) for name in group.layer_names if (m := _LAYER_INDEX.search(name))]
+        spec = group.kv_cache_spec
+        groups.append(
+            {
+                "gid": gid,
+                "spec": type(spec).__name__,
+                "window": getattr(spec, "sliding_window", None),
+                "block_size": int(spec.block_size),
+                "layers": len(group.layer_names),
+                "drafter_layers": sum(i >= target_layers for i in idx),
+            }
+        )
+    return {
+        "groups": groups,
+        "num_blocks": int(kv_cache_config.num_blocks),
+        "max_concurrency": float(kv_cache_utils.get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config)),
+        "bytes_per_request": int(
+            kv_cache_utils._max_memory_usage_bytes_from_groups(vllm_config, kv_cache_config.kv_cache_groups)
+        ),
+        "max_model_len": int(vllm_config.model_config.max_model_len),
+    }
+
+
+def _record_alloc(manager: Any, request: Any, num_new_tokens: int, num_new_computed: int, lookahead: int) -> None:
+    state = _kv.setdefault(id(manager), {"last": {}, "evicted": set(), "reused": 0})
+    rid = request.request_id
+    ids_now = []
+    held = []
+    for single in manager.coordinator.single_type_managers:
+        ids = [b.block_id for b in single.req_to_blocks.get(rid, ()) if not b.is_null]
+        ids_now.append(ids)
+        held.append(len(ids))
+    for gid, ids in enumerate(ids_now):
+        fresh = set(ids) - set(state["last"].get(rid, [[]] * len(ids_now))[gid])
+        state["reused"] += len(fresh & state["evicted"])
+        state["evicted"] -= fresh
+    prev = state["last"].get(rid)
+    if prev is not None:
+        for gid, ids in enumerate(ids_now):
+            state["evicted"] |= set(prev[gid]) - set(ids)  # freed while the request runs: outside a window
+    state["last"][rid] = ids_now
+    prompt = list(getattr(request, "prompt_token_ids", None) or [])
+    _append_kv(
+        {
+            "alloc": {
+                "req_id": rid,
+                "prompt_sha": prompt_sha(prompt) if prompt else None,
+                "prompt_len": len(prompt),
+                "computed": int(request.num_computed_tokens) + int(num_new_computed),
+                "new": int(num_new_tokens),
+                "lookahead": int(lookahead),
+                "held": held,
+                "reused": state["reused"],
+            }
+        }
+    )
+
+
+def _install_kv_recorder() -> None:
+    from vllm.v1.core import kv_cache_manager
+    from vllm.v1.core.sched import scheduler
+
+    mgr_cls = kv_cache_manager.KVCacheManager
+    if getattr(mgr_cls, "_vllm_dflash_recorder", False):
+        return
+    orig_alloc = mgr_cls.allocate_slots
+    orig_free = mgr_cls.free
+    orig_init = scheduler.Scheduler.__init__
+
+    @functools.wraps(orig_alloc)
+    def allocate_slots(self: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        out = orig_alloc(self, request, num_new_tokens, *args, **kwargs)
+        if out is not None:
+            num_new_computed = kwargs.get("num_new_computed_tokens", args[0] if args else 0)
+            lookahead = kwargs.get("num_lookahead_tokens", args[2] if len(args) > 2 else 0)
+            _record_alloc(self, request, num_new_tokens, num_new_computed, lookahead)
+        return out
+
+    @functools.wraps(orig_free)
+    def free(self: Any, request: Any) -> Any:
+        _kv.get(id(self), {}).get("last", {}).pop(request.request_id, None)  # its blocks go back: not evictions
+        return orig_free(self, request)
+
+    @functools.wraps(orig_init)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, *args, **kwargs)
+        _append_kv({"layout": _kv_layout(self.vllm_config, self.kv_cache_config)})
+
+    mgr_cls.allocate_slots = allocate_slots  # type: ignore[method-assign]
+    mgr_cls.free = free  # type: ignore[method-assign]
+    scheduler.Scheduler.__init__ = init  # type: ignore[method-assign]
+    mgr_cls._vllm_dflash_recorder = True
+
+
 def perturbed(draft_ids: Any, vocab: int) -> Any:
     """`draft_ids` with every request's first id moved one up (mod the vocabulary): a proposal that is not the
     drafter's argmax, of the type propose() returns (a tensor, or lists)."""
@@ -213,6 +337,7 @@ def wrap(model_cls: Any, proposer_cls: Any, runner_cls: Any) -> None:
 def install() -> None:
     if not os.environ.get(RECORD_FILE_VAR):
         return
+    _install_kv_recorder()
     from vllm.model_executor.models import qwen3_dflash
     from vllm.v1.spec_decode import dflash
     from vllm.v1.worker import gpu_model_runner

