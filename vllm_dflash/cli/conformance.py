@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.cli.common import checkout
+from vllm_dflash.cli.common import add_pin_argument, checkout
 from vllm_dflash.conformance.cases import CASE_NAMES
 from vllm_dflash.conformance.compare import UNPROVEN_EXIT, ConformanceOptions, render, run_conformance
 from vllm_dflash.errors import ConformanceError
@@ -36,6 +36,7 @@ def register(sub: Any) -> None:
     p.add_argument("--report", type=Path, default=None, help="JSON report path (default: dist/conformance-DEVICE.json)")
     p.add_argument("--patched-wheel", type=Path, default=None, help="test this wheel as the patched build")
     p.add_argument("--stock-wheel", type=Path, default=None, help="test this wheel as the stock build")
+    add_pin_argument(p)
     p.set_defaults(func=run)
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.cli.common import checkout, manifest
+from vllm_dflash.cli.common import add_pin_argument, checkout, manifest
 from vllm_dflash.errors import ContainerError
 from vllm_dflash.manifest import MACHINES
 from vllm_dflash.pipeline import image as img
@@ -41,6 +41,7 @@ def register(sub: Any) -> None:
     p.add_argument("--storage-driver", default=None, help="podman/buildah: storage driver (e.g. vfs)")
     p.add_argument("--isolation", default=None, help="podman/buildah: build isolation (e.g. chroot)")
     p.add_argument("--network", default=None, help="RUN steps' network, e.g. none (not with chroot)")
+    add_pin_argument(p)
     p.set_defaults(func=run)
 
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.cli.common import checkout
+from vllm_dflash.cli.common import add_pin_argument, checkout
 from vllm_dflash.paths import write_text_atomic
 from vllm_dflash.upstream.evidence import load_watch_rules
 from vllm_dflash.upstream.rebase import rebase
@@ -30,6 +30,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the verdicts as JSON")
     p.add_argument("--markdown", type=Path, default=None, metavar="FILE", help="also write a Markdown report")
+    add_pin_argument(p)
     p.set_defaults(func=run_upstream)
 
     r: argparse.ArgumentParser = sub.add_parser(
@@ -55,6 +56,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="after resolving a merge conflict in the work tree a stopped rebase named, finish the rebase",
     )
+    add_pin_argument(r)
     r.set_defaults(func=run_rebase)
 
 

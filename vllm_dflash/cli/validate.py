@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.cli.common import checkout, manifest
+from vllm_dflash.cli.common import add_pin_argument, checkout, manifest
 from vllm_dflash.errors import ManifestError, MeasurementError
 from vllm_dflash.manifest import Profile, load_profile_file
 from vllm_dflash.validate.server import check_url
@@ -73,6 +73,7 @@ def register(sub: Any) -> None:
     p.add_argument("--report", type=Path, default=None, help="report path (default: validation-PROFILE.json)")
     p.add_argument("--log-dir", type=Path, default=None, help="where the launched server's log goes")
     p.add_argument("--quiet", action="store_true", help="no table and progress, only the verdict line")
+    add_pin_argument(p)
     p.set_defaults(func=run)
 
 

@@ -130,6 +130,19 @@ def check_refusal(case_dir: Path, out_path: Path, llm_kwargs: dict[str, Any], re
     return summary
 
 
+def record_start_refusal(case_dir: Path, out_path: Path, exc: Exception) -> dict[str, Any]:
+    """vLLM raised while starting on a case it was meant to run: record the exception (its innermost message, which
+    in-process engines raise directly) instead of proposals. The host judges it: stock may fail that way, the
+    patched build never."""
+    text = f"{type(exc).__name__}: {exc}"
+    line = next((ln for ln in reversed(text.splitlines()) if ln.strip()), text)
+    summary = {"case": case_dir.name, "refused": True, "refusal_line": line.strip(), "error": text[:2000]}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({"summary": summary}) + "\n")
+    gc.collect()
+    return summary
+
+
 def _spec_metrics(llm: Any) -> dict[str, Any]:
     out: dict[str, Any] = {v: 0 for v in _SPEC_METRICS.values()}
     out.update(prefix_cache_hits=0, prefix_cache_queries=0)
@@ -331,7 +344,10 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
         llm_kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     if case.get("refusal"):
         return check_refusal(case_dir, out_path, llm_kwargs, case["refusal"])
-    llm = LLM(**llm_kwargs)
+    try:
+        llm = LLM(**llm_kwargs)
+    except Exception as exc:  # a build that does not support this drafter refuses to start (vLLM 0.25: mixed, V1)
+        return record_start_refusal(case_dir, out_path, exc)
     t_init = time.perf_counter() - t0
     params = SamplingParams(
         temperature=0.0, max_tokens=int(case["max_tokens"]), ignore_eos=bool(case.get("ignore_eos", True))

@@ -203,7 +203,7 @@ def cached_build(manifest: Manifest, queues: Queues, base: str, variant: str) ->
                 platforms=(platform.machine(),),
                 variant=variant,
                 out_dir=tmp,
-                source_dest=cache / "source",
+                source_dest=cache / f"source-{manifest.upstream.version}",  # one private tree per pin
             )
             result = build(manifest, queues, options)
             os.replace(tmp, out)
