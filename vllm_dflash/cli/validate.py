@@ -176,5 +176,10 @@ def _run_cpu_builds(args: argparse.Namespace, profile: Profile) -> int:
         print(f"report: {report_path} (verdict: error)", file=sys.stderr)
         raise
     print(miniature.closing_note(result.report, run.conditions), flush=True)
+    for name, path in result.comparison_reports.items():
+        wheel = run.stock_wheel if name == "stock" else None
+        print(
+            f"{name} build's own report (same prompts, same gates): {path}" + (f"; its wheel: {wheel}" if wheel else "")
+        )
     print(f"verdict: {_verdict(result.report)}; report: {result.report_path}; validated wheel: {run.wheel}", flush=True)
     return result.exit_code

@@ -568,8 +568,24 @@ def fixes_from_header(text: str) -> frozenset[str]:
 FeatureVerdict = Literal["right", "wrong", "unproven"]
 
 
-def feature_verdicts(specs: tuple[CaseSpec, ...], passed: dict[str, bool]) -> dict[str, FeatureVerdict]:
-    """Per feature, what the stock runs `passed` (case name -> passed; cases that did not run are absent) prove."""
+def stock_model_deviations(fixed: frozenset[str]) -> frozenset[str]:
+    """The features on which `stock_model_name(fixed)` computes something else than the patched build."""
+    out = {FEATURE_TAPS} & fixed
+    if FEATURE_WINDOW in fixed:
+        out |= {FEATURE_WINDOW, FEATURE_CAUSAL_WINDOW}  # no window at all
+    elif FEATURE_CAUSAL_WINDOW in fixed:
+        out.add(FEATURE_CAUSAL_WINDOW)  # every window non-causal
+    return frozenset(out)
+
+
+def feature_verdicts(
+    specs: tuple[CaseSpec, ...],
+    passed: dict[str, bool],
+    modelled: dict[str, frozenset[str]] | None = None,
+) -> dict[str, FeatureVerdict]:
+    """Per feature, what the stock runs prove. `passed`: case -> stock passed (cases that did not run are absent);
+    `modelled`: case -> the deviations of a stock model that a failing stock run agreed with (stock computes that
+    model, which differs from the patched build exactly there: those features are wrong)."""
     right: set[str] = set()
     for s in specs:
         if passed.get(s.name) is True:
@@ -577,6 +593,7 @@ def feature_verdicts(specs: tuple[CaseSpec, ...], passed: dict[str, bool]) -> di
     wrong: set[str] = set()
     for s in specs:
         if passed.get(s.name) is False:
+            wrong |= s.features & (modelled or {}).get(s.name, frozenset())
             left = s.features - right
             if len(left) == 1:
                 wrong |= left

@@ -436,8 +436,10 @@ def judge(
         # A real disagreement, not a flake: the stock build must be far off, not just over the tolerance.
         as_expected = status == "fail" and main["max_abs"] > tol.negative_min
         if status == "pass":
-            reasons.append("stock PASSED a case it must fail: the case no longer tests the bug, or the pin's queue "
-                           "fixes (X-Fixes) what this release already gets right")
+            reasons.append(
+                "stock PASSED a case it must fail: the case no longer tests the bug, or the pin's queue "
+                "fixes (X-Fixes) what this release already gets right"
+            )
     elif expected == "pass":
         as_expected = status == "pass"
     else:
