@@ -31,6 +31,7 @@ import gc
 import hashlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -130,12 +131,21 @@ def check_refusal(case_dir: Path, out_path: Path, llm_kwargs: dict[str, Any], re
     return summary
 
 
-def record_start_refusal(case_dir: Path, out_path: Path, exc: Exception) -> dict[str, Any]:
-    """vLLM raised while starting on a case it was meant to run: record the exception (its innermost message, which
-    in-process engines raise directly) instead of proposals. The host judges it: stock may fail that way, the
-    patched build never."""
+_ERROR_LINE = re.compile(r"\b([A-Z][A-Za-z]*(?:Error|Exception)): (.+)$")
+_GENERIC = ("Engine core initialization failed", "WorkerProc initialization failed")
+
+
+def record_start_refusal(case_dir: Path, out_path: Path, exc: Exception, lines: list[str]) -> dict[str, Any]:
+    """vLLM raised while starting on a case it was meant to run: record why instead of proposals -- the first
+    specific error line of the start-up log (a worker process's own, under the mp executor), else the exception's
+    innermost line. The host judges it: stock may fail that way, the patched build never."""
     text = f"{type(exc).__name__}: {exc}"
-    line = next((ln for ln in reversed(text.splitlines()) if ln.strip()), text)
+    specific = [
+        f"{m.group(1)}: {m.group(2)}"
+        for ln in [*text.splitlines(), *lines]
+        if (m := _ERROR_LINE.search(ln)) and not any(g in ln for g in _GENERIC)
+    ]
+    line = specific[0] if specific else next((ln for ln in reversed(text.splitlines()) if ln.strip()), text)
     summary = {"case": case_dir.name, "refused": True, "refusal_line": line.strip(), "error": text[:2000]}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({"summary": summary}) + "\n")
@@ -344,10 +354,15 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
         llm_kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     if case.get("refusal"):
         return check_refusal(case_dir, out_path, llm_kwargs, case["refusal"])
-    try:
-        llm = LLM(**llm_kwargs)
-    except Exception as exc:  # a build that does not support this drafter refuses to start (vLLM 0.25: mixed, V1)
-        return record_start_refusal(case_dir, out_path, exc)
+    with _captured_output() as init_lines:  # a worker process's own error reaches the log only
+        try:
+            llm = LLM(**llm_kwargs)
+        except Exception as exc:  # a build that does not support this drafter refuses (vLLM 0.25: mixed, V1)
+            refusal: Exception | None = exc
+        else:
+            refusal = None
+    if refusal is not None:
+        return record_start_refusal(case_dir, out_path, refusal, init_lines)
     t_init = time.perf_counter() - t0
     params = SamplingParams(
         temperature=0.0, max_tokens=int(case["max_tokens"]), ignore_eos=bool(case.get("ignore_eos", True))
