@@ -114,12 +114,10 @@ def twin(manifest: Manifest, version: str) -> Twin:
 
 
 def evidence_digest(result: ConformanceResult) -> str:
-    """sha256 of a run's verdicts, free of machine facts (no timings, no float values, no paths): per case and build
-    the status and the expectation, and the sha256 of each wheel that ran (the builds are byte-identical)."""
+    """sha256 of a run's verdicts, free of machine facts (no timings, float values, paths or wheels, which differ per
+    platform): the pin, the features its queue fixes, and per case and build the status and the expectation."""
     rows = sorted((o.case, o.build, o.status, o.expected, o.as_expected) for o in result.outcomes)
-    report = json.loads(result.report.read_text())
-    wheels = {b: w.get("sha256", "") for b, w in sorted(report.get("wheels", {}).items())}
-    blob = json.dumps({"pin": result.pin, "outcomes": rows, "wheels": wheels}, sort_keys=True).encode()
+    blob = json.dumps({"pin": result.pin, "fixes": list(result.fixes), "outcomes": rows}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()
 
 
