@@ -157,5 +157,5 @@ def run_rebase(args: argparse.Namespace) -> int:
           f"kept {', '.join(result.kept) or 'none'}")  # fmt: skip
     for note in result.notes:
         print(f"note: {note}")
-    print(f"{verb}: {', '.join(result.changed)}")
+    print(f"{verb}: {', '.join(result.changed) or 'nothing'}")
     return 0
