@@ -689,7 +689,9 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
             case_tol = C.tolerance_for(s, options.device)
             outcomes.append(judge(s, b, metrics, case_tol, side_errors.get((b, s.name), ""), fixed))
     ok = run_verdict(outcomes) == "pass"
-    report = options.report or manifest.dist_dir / f"conformance-{options.device}.json"
+    # One report per pin (the default pin's keeps its old name).
+    suffix = "" if manifest.is_default_pin else f"-{manifest.pin_name}"
+    report = options.report or manifest.dist_dir / f"conformance-{options.device}{suffix}.json"
     result = ConformanceResult(
         ok=ok,
         device=options.device,
