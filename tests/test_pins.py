@@ -144,6 +144,13 @@ def test_every_stage_command_takes_pin(argv: list[str]) -> None:
     assert build_parser().parse_args(argv).pin is None  # the default pin
 
 
+def test_another_pins_image_needs_its_own_base(capsys: pytest.CaptureFixture[str]) -> None:
+    """The Dockerfile pins the default pin's vllm/vllm-openai: a 0.23.0 wheel on it would be the wrong vLLM."""
+    assert main(["--root", str(REPO), "image", "--pin", "0.23.0"]) == ManifestError.return_code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vllm/vllm-openai:v0.23.0@sha256:" in err[0], err
+
+
 # ---- each pin's queue and what its stock must do -----------------------------------------------------------------
 
 
