@@ -108,6 +108,27 @@ def write_wheel(dest: Path, name: str, version: str, files: Mapping[str, bytes],
     return wheel
 
 
+def provenance_bytes(name: str, version: str, tag: str = "py3-none-any", mode: str = "fast") -> bytes:
+    """A provenance document naming this build (vllm/dflash_build.json) for a test wheel of `name` `version` and
+    `tag`: a fast build over the base wheel of the same project, upstream version (the public part) and tag."""
+    from packaging.version import Version
+
+    from vllm_dflash import provenance as prov
+
+    upstream = Version(version).public
+    base = f"{name}-{upstream}-{tag}.whl"
+    doc = prov.Provenance(
+        version=version,
+        upstream=prov.UpstreamRef(upstream, f"v{upstream}", "https://github.com/vllm-project/vllm.git", "f98b2747f",
+                                  "f98b2747f", "sdist", "vllm-0.20.1.tar.gz", "ab" * 32),
+        fork=prov.ForkRef("dflash/v0.20.1", "a" * 40, "b" * 40),
+        patches=(),
+        build=prov.BuildInfo("vllm-dflash", "0.1.0", mode, "test", base if mode == "fast" else None, "d" * 64),
+        changed_files=("vllm/__init__.py",),
+    )  # fmt: skip
+    return doc.dumps()
+
+
 def checkout_requiring(root: Path, profiles: Mapping[str, Mapping[str, object]]) -> Path:
     """`root` made a checkout with this repo's VERSION and dist.toml plus `profiles`, all of them required for
     publishing (reports are made with them)."""

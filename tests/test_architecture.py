@@ -109,6 +109,29 @@ def test_no_arrow_back_up() -> None:
                 assert not later, f"{name} (stage {stage}) imports a later stage: {later}"
 
 
+STAGES = ("pipeline", "conformance", "doctor", "validate", "release", "publish", "upstream", "mini", "cli")
+# The documents every stage reads: below all of them, so they import no stage (issue 26: the report's plausibility
+# rules were in validate/metrics.py, and report.py imported them back up the house).
+DOCUMENTS = ("vllm_dflash.report", "vllm_dflash.manifest", "vllm_dflash.provenance", "vllm_dflash.series")
+
+
+def _stage_imports(graph: dict[str, set[str]], name: str) -> list[str]:
+    return sorted(d for d in graph.get(name, ()) for s in STAGES if d.startswith(f"vllm_dflash.{s}"))
+
+
+def test_documents_import_no_stage() -> None:
+    graph = import_graph()
+    assert all(d in graph for d in DOCUMENTS), "the graph must see every document module"
+    offenders = {d: _stage_imports(graph, d) for d in DOCUMENTS if _stage_imports(graph, d)}
+    assert offenders == {}
+
+
+def test_stage_import_detector_can_fail() -> None:
+    graph = {"vllm_dflash.report": {"vllm_dflash.validate.metrics", "vllm_dflash.paths"}}
+    assert _stage_imports(graph, "vllm_dflash.report") == ["vllm_dflash.validate.metrics"]
+    assert _stage_imports({"vllm_dflash.report": {"vllm_dflash.paths"}}, "vllm_dflash.report") == []
+
+
 def test_only_the_cli_knows_argparse() -> None:
     offenders = []
     for name, path in _modules().items():
@@ -136,6 +159,7 @@ def test_only_the_cli_knows_argparse() -> None:
         ("unified diff", r"^@@ \|\"@@\|'@@", {"vllm_dflash/diff.py"}),
         ("report", r"def seal_problem\|validation-report/", {"vllm_dflash/report.py"}),
         ("provenance", r"dflash_build\.json", {"vllm_dflash/provenance.py"}),
+        ("wheel METADATA and WHEEL", r"BytesParser", {"vllm_dflash/pipeline/wheelfile.py"}),
     ],
 )
 def test_one_parser_per_format(what: str, pattern: str, owner: set[str]) -> None:

@@ -256,8 +256,14 @@ for start in (len(prompt), len(prompt) + 5):
 summary = {"outputs": [output], "request_prompts": [0], "num_drafts": 2, "num_proposals_recorded": 2}
 
 
-def run(name, edit, summary=summary, tol=O.C.TOLERANCES["cpu"]):
-    recs = json.loads(json.dumps(lines))
+def run(name, edit, summary=summary, tol=O.C.TOLERANCES["cpu"], extra=(), drafts=""):
+    recs = json.loads(json.dumps(lines)) + [dict(e) for e in extra]
+    for r in recs[: len(lines)]:
+        cont = seq[r["block_start"] + 1 : r["block_start"] + 1 + orc.k]
+        if drafts == "continuation":
+            r["draft_ids"] = cont
+        elif drafts == "wrong-first":
+            r["draft_ids"] = [(cont[0] + 1) % 512, *cont[1:]]
     edit(recs[0])
     path = out_dir / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in [*recs, {"summary": summary}]))
@@ -265,7 +271,15 @@ def run(name, edit, summary=summary, tol=O.C.TOLERANCES["cpu"]):
     return {"consistent": m.trace_consistent, "problems": m.trace_problems, "agree": m.main.argmax_agree,
             "total": m.main.argmax_total, "max_abs": m.main.max_abs, "lossless": m.lossless,
             "lossless_requests": m.lossless_requests, "compared": m.lossless_requests_compared,
-            "deficit": m.lossless_max_deficit, "positions": m.positions}
+            "deficit": m.lossless_max_deficit, "positions": m.positions, "kinds": m.proposals_by_kind,
+            "recorded": m.num_proposals_recorded, "steps": m.steps, "span": m.accepted_from_drafts}
+
+
+# A proposal drafted from a bonus token max_tokens cut off: a line without logits to recompute.
+beyond = {"request": 0, "kind": "beyond-output", "token_ids": [*seq, 1], "context_len": len(seq),
+          "block_start": len(seq), "block_input_ids": [1] + [mask] * orc.k,
+          "block_positions": list(range(len(seq), len(seq) + orc.k + 1)), "logits": [], "draft_ids": [0] * orc.k}
+three = {**summary, "num_proposals_recorded": 3}
 
 
 # An output that is not the target's greedy one past the checked steps (its last token changed): not lossless.
@@ -294,6 +308,16 @@ result = {
     # replaced by the one the target likes least there must fail it.
     "bf16_valid": run("bf16_valid", lambda r: None, tol=O.C.CPU_BF16_TOLERANCE),
     "bf16_worst": run("bf16_worst", lambda r: None, {**summary, "outputs": [worst]}, tol=O.C.CPU_BF16_TOLERANCE),
+    # The span of accepted tokens the drafts imply: drafts equal to the output's continuation are all accepted
+    # (k per verified line), a first draft that differs accepts none.
+    "accept_all": run("accept_all", lambda r: None, drafts="continuation"),
+    "accept_none": run("accept_none", lambda r: None, drafts="wrong-first"),
+    "kind": run("kind", lambda r: r.__setitem__("kind", "prefill")),
+    "tally": run("tally", lambda r: None, three),
+    "beyond": run("beyond", lambda r: None, three, extra=[beyond]),
+    "beyond_far": run("beyond_far", lambda r: None, three, extra=[{**beyond, "block_start": len(seq) + orc.k + 1,
+                      "context_len": len(seq) + orc.k + 1, "block_positions": list(range(len(seq) + orc.k + 1,
+                      len(seq) + 2 * orc.k + 2))}]),
     "greedy": {"checked": checked == scratch == output, "fallback": fallback == scratch != wrong,
                "gap_diff": max(abs(a - b) for a, b in zip(gaps, scratch_gaps))},
 }
@@ -318,6 +342,17 @@ def test_trace_check_compares_with_what_the_recorder_did_not_build(
         assert not got[name]["consistent"] and word in got[name]["problems"][0], (name, got[name])
     assert not got["no_drafts"]["consistent"] and "no draft ids" in got["no_drafts"]["problems"][0]
     assert got["drafts"]["consistent"] and got["drafts"]["agree"] == got["drafts"]["total"] - 1, got["drafts"]
+    # Proposals are counted from the lines checked, each kind recomputed; the driver's tally must agree.
+    assert valid["kinds"] == {"verified": 2, "prefill": 0, "cut-off": 0, "beyond-output": 0} and valid["recorded"] == 2
+    assert not got["kind"]["consistent"] and "recorded as prefill, is verified" in got["kind"]["problems"][0]
+    assert not got["tally"]["consistent"] and "the driver counted 3 proposals, the trace holds 2" in got["tally"][
+        "problems"][0]  # fmt: skip
+    beyond = got["beyond"]
+    assert beyond["consistent"] and beyond["kinds"]["beyond-output"] == 1 and beyond["recorded"] == 3, beyond
+    assert beyond["steps"] == 2, "a line without logits is counted, never compared"
+    assert not got["beyond_far"]["consistent"] and "past the output's end" in got["beyond_far"]["problems"][0]
+    k = C.get_cases(["mixed"])[0].num_speculative_tokens
+    assert got["accept_all"]["span"] == [2 * k, 2 * k] and got["accept_none"]["span"] == [0, 0], got["accept_all"]
     # Lossless from one forward per request: the greedy output passes, one changed token fails (the check falls back
     # to the from-scratch greedy loop, which disagrees with it), and the gaps are the from-scratch loop's.
     assert valid["lossless"] and valid["lossless_requests"] == 1, valid
@@ -375,6 +410,141 @@ def test_judge_verdicts() -> None:
     spec = C.get_cases(["speculators"])[0]
     assert compare.judge(spec, "stock", _metrics(spec, 5e-6), tol).as_expected  # stock must pass this one
     assert not compare.judge(spec, "stock", _metrics(spec, 4.0), tol).as_expected
+
+
+def _with(m: dict[str, Any], **main: Any) -> dict[str, Any]:
+    return {**m, "main": {**m["main"], **main}}
+
+
+def test_judge_fails_each_branch_on_its_bad_case_and_passes_its_boundary() -> None:
+    """Every reason judge() gives, fed the metrics that must trigger it (and only it), and the same metrics at the
+    edge of the bound passing: a failure path nobody feeds is one a broken build walks through."""
+    tol = C.TOLERANCES["cpu"]
+    mixed = C.get_cases(["mixed"])[0]
+    good = _metrics(mixed, 5e-6)
+    assert compare.judge(mixed, "patched", good, tol).reasons == ()
+
+    def fails(metrics: dict[str, Any], words: str, spec: C.CaseSpec = mixed) -> None:
+        o = compare.judge(spec, "patched", metrics, tol)
+        assert o.status == "fail" and not o.as_expected and len(o.reasons) == 1 and words in o.reasons[0], o.reasons
+
+    def passes(metrics: dict[str, Any], spec: C.CaseSpec = mixed) -> None:
+        o = compare.judge(spec, "patched", metrics, tol)
+        assert o.status == "pass" and o.as_expected, o.reasons
+
+    fails({**good, "steps": 0}, "no drafter proposals recorded")
+    passes({**good, "steps": 1})
+    problems = ["step 0 (request 0, start 9): bonus token [3] is not the request's verified token 4", "b", "c", "d"]
+    o = compare.judge(mixed, "patched", {**good, "trace_consistent": False, "trace_problems": problems}, tol)
+    assert o.status == "fail" and o.reasons == tuple(problems[:3]), o.reasons
+    fails(_with(good, max_abs=tol.max_abs_logit * 1.01), "max |dlogit|")
+    passes(_with(good, max_abs=tol.max_abs_logit))  # the bound itself passes
+    fails(_with(good, argmax_agree=8), "argmax differs at 1 position(s)")
+    fails(_with(good, argmax_agree=0, argmax_total=0), "argmax compared at 0 position(s) < 1")
+    passes(_with(good, argmax_agree=1, argmax_total=1))
+    fails({**good, "lossless": False}, "differ from the target's plain greedy output")
+    fails({**good, "lossless_requests_compared": 0}, "lossless compared on 0 request(s) < 1")
+    passes({**good, "lossless_requests_compared": 1})
+    fails({**good, **_serving_metrics(num_proposals_recorded=15)}, "15 proposals recorded")
+    passes({**good, **_serving_metrics()})
+    # bf16: a deficit below the fp32 target's best logit is the reason, not an exact comparison.
+    bf16, btol = C.get_cases(["bf16"])[0], C.CPU_BF16_TOLERANCE
+    o = compare.judge(bf16, "patched", _bf16_metrics(lossless=False, lossless_max_deficit=0.5), btol)
+    assert o.reasons == ("a generated token is 0.5 below the fp32 target's best logit (> 0.3): not the target's "
+                         "greedy choice",), o.reasons  # fmt: skip
+    few = btol.min_argmax_positions
+    assert compare.judge(bf16, "patched", _bf16_metrics(argmax_agree=few, argmax_total=few), btol).as_expected
+
+
+def test_judge_zero_lm_head_needs_every_draft_accepted() -> None:
+    tol, zero = C.TOLERANCES["cpu"], C.get_cases(["zero-lm-head"])[0]
+    assert compare.judge(zero, "patched", _metrics(zero, 0.0, accepted=9), tol).as_expected
+    for bad in (_metrics(zero, 0.0, accepted=8), {**_metrics(zero, 0.0), "num_drafts": 0, "num_accepted_tokens": 0}):
+        o = compare.judge(zero, "patched", bad, tol)
+        assert o.status == "fail" and any("every draft should be accepted" in r for r in o.reasons), o.reasons
+    # zero-lm-head may pass or fail on stock ("any"): either is as expected.
+    assert compare.judge(zero, "stock", _metrics(zero, 0.0, accepted=8), tol).as_expected
+
+
+def test_judge_negative_controls_and_the_stock_model() -> None:
+    """A negative control at exactly negative_min agrees (the bound is strict); the stock-semantics variant is
+    reported, never counted as a control, whatever its value."""
+    tol, mixed = C.TOLERANCES["cpu"], C.get_cases(["mixed"])[0]
+    m = _metrics(mixed, 5e-6)
+    edge = {**m, "variants": {**m["variants"], "full-attention": {**m["main"], "max_abs": tol.negative_min}}}
+    o = compare.judge(mixed, "patched", edge, tol)
+    assert o.status == "pass" and not o.as_expected, o
+    assert o.reasons == (f"negative-control oracle(s) full-attention AGREE with the build (<= {tol.negative_min:g})",)
+    close = {**m, "variants": {**m["variants"], C.STOCK_MODEL: {**m["main"], "max_abs": 1e-9}}}
+    o = compare.judge(mixed, "patched", close, tol)
+    assert o.as_expected and o.stock_model_max_abs == 1e-9 and C.STOCK_MODEL not in {n.name for n in o.negatives}
+    assert {n.name for n in o.negatives} == set(mixed.negatives) and all(n.disagrees for n in o.negatives)
+
+
+def test_judge_stock_must_fail_far_off_not_just_over_the_tolerance() -> None:
+    tol, mixed = C.TOLERANCES["cpu"], C.get_cases(["mixed"])[0]
+    for near in (2e-3, tol.negative_min):  # over the tolerance, but not beyond a negative control's bound
+        o = compare.judge(mixed, "stock", _metrics(mixed, near), tol)
+        assert o.status == "fail" and not o.as_expected, (near, o)
+    far = compare.judge(mixed, "stock", _metrics(mixed, tol.negative_min * 1.01), tol)
+    assert far.status == "fail" and far.as_expected
+    passed = compare.judge(mixed, "stock", _metrics(mixed, 5e-6), tol)
+    assert not passed.as_expected and passed.reasons == ("stock 0.20.1 PASSED a case it must fail: the case no longer "
+                                                         "tests the bug",)  # fmt: skip
+    # A stock run that fails for another reason (no steps) while far off is still the expected failure.
+    assert compare.judge(mixed, "stock", {**_metrics(mixed, 4.0), "steps": 0}, tol).as_expected
+
+
+def test_judge_reports_prefix_hits_only_for_prefix_caching_cases() -> None:
+    tol = C.TOLERANCES["cpu"]
+    mixed, prefix = C.get_cases(["mixed"])[0], C.get_cases(["prefix-cached"])[0]
+    m = {**_metrics(mixed, 5e-6), "prefix_cache_hits": 96}
+    assert compare.judge(mixed, "patched", m, tol).prefix_cache_hits is None
+    o = compare.judge(prefix, "patched", {**m, **_serving_metrics()}, tol)
+    assert o.prefix_cache_hits == 96 and o.proposals_unverified == 4 and o.proposals_recorded == 14
+
+
+def test_judge_errors_say_why() -> None:
+    tol, mixed = C.TOLERANCES["cpu"], C.get_cases(["mixed"])[0]
+    assert compare.judge(mixed, "patched", None, tol).reasons == ("no metrics",)
+    assert compare.judge(mixed, "patched", None, tol, "vLLM exited 1").reasons == ("vLLM exited 1",)
+    refuse = C.get_cases(["refuse-no-window"])[0]
+    assert compare.judge_refusal(refuse, "patched", None).reasons == ("no trace",)
+    assert compare.judge_refusal(refuse, "patched", None, "vLLM exited 1").reasons == ("vLLM exited 1",)
+    bf16 = C.get_cases(["bf16"])[0]
+    assert compare.judge_unproven(bf16, "patched", "x").expected == "pass"
+    stock = compare.judge_unproven(bf16, "stock", "x")
+    assert stock.expected == bf16.expect_stock == "fail" and stock.unproven and stock.reasons[0].endswith(": x")
+    assert compare._unverified({}) is None and compare._unverified({"proposals_by_kind": {"prefill": 2}}) == 2
+
+
+def test_serving_checks_at_their_boundaries() -> None:
+    """The accepted-token span is inclusive at both ends and fails one past either; the proposal count compares
+    exactly; the prefix-cache check needs prefix caching AND rounds; chunk counts and the window at their edges."""
+    chunked, prefix = C.get_cases(["chunked"])[0], C.get_cases(["prefix-cached"])[0]
+    span = {"accepted_from_drafts": [10, 14]}
+    for accepted, ok in ((9, False), (10, True), (12, True), (14, True), (15, False)):
+        got = compare.serving_problems(chunked, _serving_metrics(num_accepted_tokens=accepted, **span))
+        assert (got == []) == ok, (accepted, got)
+        if not ok:
+            assert got == [f"vLLM accepted {accepted} tokens; the recorded draft ids imply 10..14"]
+    for recorded in (13, 15):
+        assert len(compare.serving_problems(chunked, _serving_metrics(num_proposals_recorded=recorded))) == 1
+    # Prefix caching checked only with prefix caching and more than one round.
+    one_round = dataclasses.replace(prefix, rounds=1)
+    assert compare.serving_problems(one_round, _serving_metrics(prefix_cache_hits_by_round=[])) == []
+    no_cache = dataclasses.replace(prefix, prefix_caching=False)
+    assert compare.serving_problems(no_cache, _serving_metrics(prefix_cache_hits_by_round=[])) == []
+    assert len(compare.serving_problems(prefix, _serving_metrics(prefix_cache_hits_by_round=[32]))) == 1
+    assert compare.serving_problems(prefix, _serving_metrics(prefix_cache_hits_by_round=[32, 33])) == []
+    # Chunks: exactly min_prefill_chunks (3: two boundaries) passes; the window: the last boundary at the window's
+    # edge (69 - 8 = 61) is outside it, one past it inside.
+    assert compare.serving_problems(chunked, _serving_metrics(prefill_starts=[[22, 62]])) == []
+    edge = compare.serving_problems(chunked, _serving_metrics(prefill_starts=[[22, 61]]))
+    assert edge == ["request 0: the last chunk boundary 61 is outside the first proposal's window"], edge
+    assert compare.serving_problems(chunked, _serving_metrics(prefill_starts=[[62]])) == [
+        "request 0: prompt prefilled in 2 chunk(s) < 3"
+    ]
 
 
 def test_judge_refusals() -> None:
@@ -494,7 +664,9 @@ def test_serving_checks_fail_on_bad_counts_and_pass_on_good_ones() -> None:
 def test_serving_fields_keep_old_digests_and_enter_new_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     mixed = C.get_cases(["mixed"])[0]
     assert not mixed.is_serving
-    spec = {k: v for k, v in dataclasses.asdict(mixed).items() if k not in C.SERVING_FIELDS}
+    spec = {
+        k: v for k, v in dataclasses.asdict(mixed).items() if k not in C.SERVING_FIELDS and k not in C.SPELLING_FIELDS
+    }
     fields = sorted(f.name for f in dataclasses.fields(C.CaseFile))
     blob = json.dumps({"spec": spec, "generator": C.GENERATOR_VERSION, "case_file": fields}, sort_keys=True).encode()
     assert mixed.digest() == hashlib.sha256(blob).hexdigest()[:12]
@@ -653,6 +825,32 @@ def test_conformance_patched_passes_and_stock_fails(tmp_path: Path) -> None:
         assert data["unproven"] == unproven
     else:
         assert run.returncode == 0 and data["ok"] and data["verdict"] == "pass"
+
+
+@pytest.mark.heavy
+@pytest.mark.network
+def test_the_run_catches_vllm_proposing_ids_other_than_the_drafters_argmax(tmp_path: Path) -> None:
+    """vLLM made to propose, for every request, a first draft id other than the argmax of the logits its drafter
+    computed (the recorder's test-only VLLM_DFLASH_RECORDER_PERTURB): the patched build FAILS the case on the argmax
+    check alone -- the tokens vLLM accepted are still those the recorded drafts imply (the recorder stored what vLLM
+    proposed: a recorder storing the argmax of its logits would pass the argmax check and fail the span), the
+    proposal count still matches and the output is still lossless (vLLM verified what it was given). The control
+    is the same case unperturbed in test_conformance_patched_passes_and_stock_fails."""
+    import os
+
+    report = tmp_path / "perturbed.json"
+    env = {**os.environ, "VLLM_DFLASH_RECORDER_PERTURB": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm_dflash", "--root", str(REPO), "conformance", "--build", "patched", "--cases",
+         "mixed", "--report", str(report)],
+        text=True, env=env,
+    )  # fmt: skip
+    assert run.returncode == compare.FAILED_EXIT
+    (o,) = json.loads(report.read_text())["outcomes"]
+    assert (o["case"], o["build"], o["status"], o["as_expected"]) == ("mixed", "patched", "fail", False), o
+    assert len(o["reasons"]) == 1 and o["reasons"][0].startswith("argmax differs at "), o["reasons"]
+    assert o["argmax_agree"] < o["argmax_total"] and o["max_abs"] <= C.TOLERANCES["cpu"].max_abs_logit, o
+    assert o["lossless"] and o["proposals_recorded"] == o["num_drafts"] + o["proposals_unverified"], o
 
 
 def test_cli_refuses_a_missing_wheel_with_one_line(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ cut below k fail the draft-fill gate with a line saying what to raise.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -25,7 +26,7 @@ from typing import Any
 
 import pytest
 import tomlkit
-from conftest import checkout_requiring, http_server, write_wheel
+from conftest import checkout_requiring, http_server, provenance_bytes, write_wheel
 from test_publish import make_wheel
 
 from vllm_dflash.cli import main
@@ -83,6 +84,7 @@ class Fake:
     version: str | None = None  # /version (None: 404)
     endless_metrics: bool = False  # /metrics streams without end
     keep_alive: bool = False  # answer as HTTP/1.1: a connection stays open unless the client asks otherwise
+    content: str = "ok"  # every chat completion's text
     scrapes: int = 0
     paths: list[str] = field(default_factory=list)
     connections: list[tuple[int, str | None]] = field(default_factory=list)  # (client port, Connection header)
@@ -90,8 +92,12 @@ class Fake:
 
 @pytest.fixture
 def fake() -> Iterator[tuple[str, Fake]]:
-    state = Fake()
+    with fake_server(Fake()) as served:
+        yield served
 
+
+@contextlib.contextmanager
+def fake_server(state: Fake) -> Iterator[tuple[str, Fake]]:
     class Handler(BaseHTTPRequestHandler):
         def setup(self) -> None:
             super().setup()
@@ -143,7 +149,9 @@ def fake() -> Iterator[tuple[str, Fake]]:
                 "object": "chat.completion",
                 "created": 0,
                 "model": "tiny",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": state.content}, "finish_reason": "stop"}
+                ],
                 "usage": {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11},
             }
             self._send(200, json.dumps(doc).encode())
@@ -280,6 +288,31 @@ def test_cut_drafts_fail_the_draft_fill_gate(fake: tuple[str, Fake], root: Path,
     assert [g["gate"] for g in data["gates"] if not g["passed"]] == ["draft_fill"]
 
 
+def test_outputs_that_differ_from_the_baseline_fail_the_lossless_gate(fake: tuple[str, Fake], tmp_path: Path) -> None:
+    """min_match_rate through the CLI: the speculative server's outputs differ from the no-speculation baseline's on
+    every prompt, so the rate is 0 and the gate fails (exit 1, the only failed gate); the same baseline answering
+    the same text passes (rate 1.0); without a baseline the gate cannot pass."""
+    url, state = fake
+    root = checkout_requiring(tmp_path / "lossless", {PROFILE: {**TABLE, "min_match_rate": 0.5}})
+    report = tmp_path / "r.json"
+    with fake_server(Fake(content="another answer")) as (base_url, base):
+        run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--baseline-endpoint", base_url,
+                  "--report", report, "--quiet")  # fmt: skip
+        assert run.returncode == 1, run.stdout + run.stderr
+        data = loads_strict(report.read_bytes())
+        gate = next(g for g in data["gates"] if g["gate"] == "min_match_rate")
+        assert [g["gate"] for g in data["gates"] if not g["passed"]] == ["min_match_rate"]
+        assert (gate["value"], gate["threshold"]) == (0.0, 0.5) and data["baseline"]["lossless_matches"] == 0
+        base.content, state.scrapes, base.scrapes = "ok", 0, 0
+        run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--baseline-endpoint", base_url,
+                  "--report", report, "--quiet")  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert loads_strict(report.read_bytes())["baseline"]["lossless_match_rate"] == 1.0
+    state.scrapes = 0
+    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--report", report, "--quiet")
+    assert run.returncode == 1 and "needs a baseline" in report.read_text(), run.stdout + run.stderr
+
+
 def test_token_budget_below_the_floor_is_refused_at_parse_time(root: Path, tmp_path: Path) -> None:
     doc = tomlkit.parse((root / "dist.toml").read_text())
     doc["profiles"][PROFILE]["serve_args"] = ["--max-num-seqs", "8", "--max-num-batched-tokens", "40"]  # type: ignore[index]
@@ -392,13 +425,13 @@ def test_declared_binding_needs_the_flag_and_is_recorded(
     # Negative control: with the flag it publishes, and the index says so.
     run = cli(root, "publish", other, "--report", report2, "--to", index, "--accept-declared-binding")
     assert run.returncode == 0, run.stderr
-    record = json.loads((index / "simple" / "gatedemo" / f"{other.name}.publish.json").read_text())
-    assert record["binding"] == "declared" and record["declared_binding_accepted"] is True
+    records = json.loads((index / "simple" / "gatedemo" / f"{other.name}.publish.json").read_text())
+    assert len(records) == 1 and records[0]["binding"] == "declared" and records[0]["declared_binding_accepted"]
     entry = next(
         f for f in json.loads((index / "simple" / "gatedemo" / "index.json").read_text())["files"]
         if f["filename"] == other.name
     )  # fmt: skip
-    assert entry["_vllm_dflash"]["declared_binding_accepted"] is True
+    assert entry["_vllm_dflash"][0]["declared_binding_accepted"] is True
 
 
 def publish(root: Path, index: Path, wheel: Path, report: Path) -> None:
@@ -641,21 +674,9 @@ def make_vllm_wheel(dest: Path, body: str = "# ours\n") -> Path:
 
     from vllm_dflash import provenance as prov
 
-    version = "0.20.1+dflash.1"
-    doc = prov.Provenance(
-        version=version,
-        upstream=prov.UpstreamRef("0.20.1", "v0.20.1", "https://github.com/vllm-project/vllm.git", "f98b2747f",
-                                  "f98b2747f", "sdist", "vllm-0.20.1.tar.gz", "ab" * 32),
-        fork=prov.ForkRef("dflash/v0.20.1", "a" * 40, "b" * 40),
-        patches=(),
-        build=prov.BuildInfo("vllm-dflash", "0.1.0", "fast", "test", "base.whl", "d" * 64),
-        changed_files=("vllm/__init__.py",),
-    )  # fmt: skip
-    files = {
-        "vllm/__init__.py": body.encode(),
-        prov.PATH: doc.dumps() if isinstance(doc.dumps(), bytes) else str(doc.dumps()).encode(),
-    }
-    return write_wheel(dest, "vllm", version, files, tag="py3-none-manylinux_2_35_x86_64")
+    version, tag = "0.20.1+dflash.1", "py3-none-manylinux_2_35_x86_64"
+    files = {"vllm/__init__.py": body.encode(), prov.PATH: provenance_bytes("vllm", version, tag)}
+    return write_wheel(dest, "vllm", version, files, tag=tag)
 
 
 @pytest.fixture

@@ -780,3 +780,172 @@ def test_release_names_the_built_images(
     )
     assert bad.returncode == VerifyError.return_code and "two images for the x86_64 platform" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()
+
+
+# ------------------------------------------------------------------------------ through a real registry
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Debian's docker-registry (the Docker Distribution registry) on 127.0.0.1, plain HTTP, storage in a temp dir;
+    stopped afterwards. Yields `127.0.0.1:PORT`."""
+    import urllib.request
+
+    from vllm_dflash.validate.server import free_port
+
+    exe = shutil.which("docker-registry")
+    assert exe, "docker-registry missing: scripts/test installs it as root (apt-get install docker-registry)"
+    where = tmp_path_factory.mktemp("registry")
+    port = free_port()
+    config = where / "config.yml"
+    config.write_text(
+        "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n"
+        f"    rootdirectory: {where / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
+    )
+    log = (where / "registry.log").open("wb")
+    server = subprocess.Popen([exe, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=2) as resp:
+                    assert resp.status == 200
+                    break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (where / "registry.log").read_text()
+                time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
+def _registry_manifest(registry: str, repo: str, digest: str) -> dict[str, object]:
+    """The manifest (or index) the registry serves under `digest`, whose bytes must hash to it."""
+    import urllib.request
+
+    accept = ", ".join(
+        (
+            "application/vnd.oci.image.index.v1+json",
+            "application/vnd.docker.distribution.manifest.list.v2+json",
+            "application/vnd.oci.image.manifest.v1+json",
+            "application/vnd.docker.distribution.manifest.v2+json",
+        )
+    )
+    req = urllib.request.Request(f"http://{registry}/v2/{repo}/manifests/{digest}", headers={"Accept": accept})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        body = resp.read()
+    assert "sha256:" + hashlib.sha256(body).hexdigest() == digest  # content-addressed: what was asked for
+    data: dict[str, object] = json.loads(body)
+    return data
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_images_round_trip_through_a_real_registry(
+    emulated_store: tuple[img.ImageOptions, str],
+    all_platforms: AllPlatforms,
+    both_wheels: dict[str, Path],
+    manifest: Manifest,
+    registry: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The per-platform images `image --platform all` built are published through `vllm-dflash publish` (each gated
+    by a passing report naming its image ID) to a real registry, the index pushed over them; a release names the
+    pushed digests; every image is pulled back by its digest into a fresh store and is what images.json says: its
+    platform, the image ID that was validated, its wheel's version; the index lists exactly those digests."""
+    from conftest import checkout_requiring
+    from test_publish import PROFILE, PROFILE_TABLE, make_report
+
+    opts, _ = emulated_store
+    prefix = img.tool_prefix("podman", opts)
+    real = shutil.which("podman")
+    assert real is not None
+    # The tests' private image store behind the plain `podman` publish calls (storage flags only; a real podman).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "podman").write_text(f'#!/bin/sh\nexec {real} {" ".join(prefix[1:])} "$@"\n')
+    (bin_dir / "podman").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    conf = tmp_path / "registries.conf"  # plain HTTP on loopback: the registry is named insecure, nothing else
+    conf.write_text(f'[[registry]]\nlocation = "{registry}"\ninsecure = true\n')
+    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(conf))
+    checkout = checkout_requiring(tmp_path / "checkout", {PROFILE: PROFILE_TABLE})
+    name = "ml/vllm-dflash"
+    repo = f"{registry}/{name}"
+    version_tag = manifest.version.replace("+", "-")
+    cli = [sys.executable, "-m", "vllm_dflash", "--root", str(checkout), "publish"]
+
+    pushed: dict[str, str] = {}
+    ids: dict[str, str] = {}
+    t0 = time.monotonic()
+    for machine, tag in all_platforms.tags.items():
+        ids[machine] = "sha256:" + str(_inspect(prefix, tag)["Id"]).removeprefix("sha256:")
+        server = {"mode": "container", "artifact": {"kind": "image", "name": tag, "sha256": ids[machine],
+                                                   "binding": "image"}}  # fmt: skip
+        report = make_report(checkout, ids[machine], tmp_path / f"{machine}.json", server=server)
+        to = f"{repo}:{version_tag}-{machine}"
+        run = subprocess.run([*cli, tag, "--to", to, "--report", str(report), "--container-tool", "podman"],
+                             capture_output=True, text=True, timeout=1800)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        found = re.search(rf"^pushed {re.escape(repo)}@(sha256:[0-9a-f]{{64}}) ", run.stdout, re.M)
+        assert found, run.stdout
+        pushed[machine] = found.group(1)
+    # The gate holds at the registry too: the x86_64 report offered for the aarch64 image pushes nothing.
+    wrong = subprocess.run(
+        [*cli, all_platforms.tags["aarch64"], "--to", f"{repo}:wrong", "--report", str(tmp_path / "x86_64.json"),
+         "--container-tool", "podman"], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert wrong.returncode == 12 and "another artifact" in wrong.stderr, wrong.stderr
+    digestfile = tmp_path / "index.digest"
+    subprocess.run(
+        [*prefix, "manifest", "push", "--all", "--digestfile", str(digestfile), all_platforms.index,
+         f"docker://{repo}:{version_tag}"], check=True, capture_output=True, timeout=1800,
+    )  # fmt: skip
+    index_digest = digestfile.read_text().strip()
+    push_s = time.monotonic() - t0
+
+    # A release naming what the registry holds, verified.
+    rel = tmp_path / "release"
+    images = [f"{repo}@{pushed[m]}={m}" for m in sorted(pushed)] + [f"{repo}@{index_digest}"]
+    args = [part for i in images for part in ("--image", i)]
+    wheels = [str(both_wheels["x86_64"]), str(both_wheels["aarch64"])]
+    base = [sys.executable, "-m", "vllm_dflash", "--root", str(manifest.root)]
+    made = subprocess.run([*base, "release", *wheels, "--out", str(rel), *args], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert subprocess.run([*base, "verify", str(rel)], capture_output=True, text=True).returncode == 0
+    doc = json.loads((rel / layout.IMAGES).read_text())
+
+    # Pulled back by digest into a fresh store, each checked against images.json.
+    fresh = Path(tempfile.mkdtemp(prefix="vllm-dflash-pull-", dir="/var/tmp"))
+    pull = [real, "--root", str(fresh / "root"), "--runroot", str(fresh / "run"), "--storage-driver", "vfs"]
+    t1 = time.monotonic()
+    try:
+        listed = _registry_manifest(registry, name, index_digest)
+        entries = listed["manifests"]
+        assert isinstance(entries, list)
+        in_index = {e["platform"]["architecture"]: e["digest"] for e in entries}
+        by_platform: dict[str | None, dict[str, str]] = {e["platform"]: e for e in doc["images"]}
+        assert by_platform[None]["digest"] == index_digest
+        assert in_index == {DEBIAN_ARCH[m]: by_platform[m]["digest"] for m in ("x86_64", "aarch64")}
+        for machine in ("x86_64", "aarch64"):
+            entry = by_platform[machine]
+            assert entry["digest"] == pushed[machine]
+            assert entry["wheel_sha256"] == hashlib.sha256(both_wheels[machine].read_bytes()).hexdigest()
+            ref = f"{entry['repository']}@{entry['digest']}"
+            subprocess.run([*pull, "pull", "-q", ref], check=True, capture_output=True, timeout=1800)
+            info = _inspect(pull, ref)
+            assert info["Architecture"] == DEBIAN_ARCH[machine]  # the platform images.json names
+            assert "sha256:" + str(info["Id"]).removeprefix("sha256:") == ids[machine]  # the ID that was validated
+            labels = info["Config"]["Labels"]  # type: ignore[index]
+            assert labels[img.LABEL_VERSION] == prov.read_wheel(both_wheels[machine]).version
+            manifest_doc = _registry_manifest(registry, name, entry["digest"])
+            assert manifest_doc["config"]["digest"] == ids[machine]  # type: ignore[index]
+        # Negative control: images.json with the two digests swapped would name an arm64 image for x86_64.
+        swapped = _inspect(pull, f"{repo}@{pushed['aarch64']}")
+        assert swapped["Architecture"] != DEBIAN_ARCH["x86_64"]
+    finally:
+        subprocess.run([*pull, "rmi", "--all", "--force"], check=False, capture_output=True)
+        shutil.rmtree(fresh, ignore_errors=True)
+    pull_s = time.monotonic() - t1
+    print(f"\nregistry round trip: pushed 2 images + index in {push_s:.0f} s, pulled back in {pull_s:.0f} s")

@@ -554,3 +554,242 @@ def test_signing_key_and_patch_reads_are_bounded(user: Path, tmp_path: Path) -> 
         read_bounded(big, 2048, "thing")
     assert read_bounded(big, 4096, "thing") == b"x" * 2049
     assert (REPO / "dist.toml").stat().st_size < 64 * 1024  # the limit is far above what a manifest is
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. No wait without end (issue 26): Ctrl-C stops the prompt run and the launched server; a trickling server
+# cannot outlast a deadline. The server is a fake vLLM (the tests are about how we treat a server): it answers
+# /health, /v1/models and /metrics, and holds every chat completion for an hour, noting when its client hangs up.
+
+FAKE_VLLM = r"""
+import argparse, json, os, select, socket, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--host", default="127.0.0.1")
+ap.add_argument("--port", type=int, default=0)
+args, _ = ap.parse_known_args()
+notes = os.environ["FAKE_VLLM_NOTES"]
+trickle = os.environ.get("FAKE_VLLM_TRICKLE") == "1"
+lock = threading.Lock()
+count = [0]
+METRICS = "".join(
+    f"# TYPE vllm:spec_decode_{n}_total counter\nvllm:spec_decode_{n}_total 0\n"
+    for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+)
+
+
+def note(name):
+    with open(os.path.join(notes, name), "w") as fh:
+        fh.write(str(time.time()))
+
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def send(self, body, ctype="application/json"):
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/health" and trickle:  # 200 at once, then a byte every 0.2 s of a 10 kB body
+            self.send_response(200)
+            self.send_header("Content-Length", "10000")
+            self.end_headers()
+            try:
+                for _ in range(10000):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except OSError:
+                note("health-hung-up")
+        elif self.path == "/health":
+            self.send(b"")
+        elif self.path == "/v1/models":
+            self.send(json.dumps({"object": "list", "data": [{"id": "tiny", "object": "model"}]}).encode())
+        elif self.path == "/metrics":
+            self.send(METRICS.encode(), "text/plain; version=0.0.4")
+        else:
+            self.send_error(404)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        with lock:
+            count[0] += 1
+            n = count[0]
+        note(f"inflight-{n}")
+        sock = self.connection
+        for _ in range(36000):  # an hour, unless the client hangs up
+            ready, _, _ = select.select([sock], [], [], 0.1)
+            if ready and not sock.recv(1, socket.MSG_PEEK):
+                note(f"hung-up-{n}")
+                return
+
+
+server = ThreadingHTTPServer((args.host, args.port), H)
+with open(os.path.join(notes, "server"), "w") as fh:
+    fh.write(f"{os.getpid()} {server.server_address[1]}")
+server.serve_forever()
+"""
+
+
+def _fake_vllm_env(tmp: Path) -> Path:
+    """A Python environment whose `vllm` is FAKE_VLLM (what `validate --python` launches): its python."""
+    venv = tmp / "fake-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (site,) = venv.glob("lib/python3*/site-packages")
+    pkg = site / "vllm" / "entrypoints" / "openai"
+    pkg.mkdir(parents=True)
+    for d in (site / "vllm", site / "vllm" / "entrypoints", pkg):
+        (d / "__init__.py").write_text("")
+    (pkg / "api_server.py").write_text(FAKE_VLLM)
+    return venv / "bin" / "python"
+
+
+def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < end, f"{path.name} never appeared"
+        time.sleep(0.05)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # a zombie waits only for its parent to read its status
+
+
+@pytest.fixture
+def gate_root(tmp_path: Path) -> Path:
+    from conftest import checkout_requiring
+    from test_gate import PROFILE, TABLE
+
+    return checkout_requiring(tmp_path / "gate-checkout", {PROFILE: TABLE})
+
+
+@pytest.mark.parametrize("mode", ["launched", "endpoint"])
+def test_ctrl_c_stops_inflight_requests_and_the_launched_server(gate_root: Path, tmp_path: Path, mode: str) -> None:
+    """Ctrl-C while 4 requests are held by the server: the command ends with one line and 130 within seconds (the
+    requests' own deadline is 600 s), every in-flight request is hung up on, and a server validate launched is
+    stopped; one it did not launch is left running."""
+    from test_gate import PROFILE
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    python = _fake_vllm_env(tmp_path)
+    env = {**os.environ, "FAKE_VLLM_NOTES": str(notes), "VLLM_DFLASH_CACHE": str(tmp_path / "cache")}
+    ours = None
+    where = ["--python", str(python)]
+    if mode == "endpoint":
+        ours = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server"], env=env)
+        _wait_for(notes / "server")
+        where = ["--endpoint", f"http://127.0.0.1:{(notes / 'server').read_text().split()[1]}"]
+    cmd = [sys.executable, "-m", "vllm_dflash", "--root", str(gate_root), "validate", "--profile", PROFILE, *where,
+           "--report", str(tmp_path / "r.json"), "--quiet"]  # fmt: skip
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    try:
+        for n in range(1, 5):  # the profile's concurrency: 4 requests in flight
+            _wait_for(notes / f"inflight-{n}")
+        server_pid = int((notes / "server").read_text().split()[0])
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+        took = time.monotonic() - t0
+        r = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+        assert "interrupted" in one_error(r, 130)
+        assert took < 30, f"Ctrl-C took {took:.0f} s to end the command"
+        assert not (notes / "inflight-5").exists(), "a request was sent after Ctrl-C"
+        if mode == "launched":  # stopped (and with it every request it held)
+            end = time.monotonic() + 30
+            while not _gone(server_pid):
+                assert time.monotonic() < end, "the launched server outlived the command"
+                time.sleep(0.1)
+        else:  # still running, and every request it held was hung up on: stopped, not abandoned
+            assert ours is not None and ours.poll() is None, "validate stopped a server it did not launch"
+            for n in range(1, 5):
+                _wait_for(notes / f"hung-up-{n}", 30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        if ours is not None:
+            ours.kill()
+            ours.wait()
+
+
+def test_a_trickled_health_answer_cannot_outlast_the_health_timeout(gate_root: Path, tmp_path: Path) -> None:
+    """/health sends 200 and then a byte every 0.2 s: each read succeeds, so a per-read timeout never fires (the
+    control: urllib with a 1 s timeout is still reading after 3 s); validate's total deadline ends it."""
+    import contextlib
+    import http.client
+    import threading
+    import urllib.request
+
+    from test_gate import PROFILE
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    python = _fake_vllm_env(tmp_path)
+    env = {**os.environ, "FAKE_VLLM_NOTES": str(notes), "FAKE_VLLM_TRICKLE": "1"}
+    server = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server"], env=env)
+    try:
+        _wait_for(notes / "server")
+        url = f"http://127.0.0.1:{(notes / 'server').read_text().split()[1]}"
+
+        def plain_read() -> None:
+            with contextlib.suppress(OSError, http.client.HTTPException):  # the server is killed at the end
+                urllib.request.urlopen(url + "/health", timeout=1).read()
+
+        control = threading.Thread(target=plain_read, daemon=True)
+        control.start()
+        control.join(3)
+        assert control.is_alive(), "the trickle did not defeat a per-read timeout: the test shows nothing"
+        t0 = time.monotonic()
+        r = subprocess.run(
+            [sys.executable, "-m", "vllm_dflash", "--root", str(gate_root), "validate", "--profile", PROFILE,
+             "--endpoint", url, "--health-timeout", "2", "--report", str(tmp_path / "r.json")],
+            env={**os.environ, "VLLM_DFLASH_CACHE": str(tmp_path / "cache")}, capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+        took = time.monotonic() - t0
+        assert "/health did not answer 200 within 2 s" in one_error(r, MeasurementError.return_code)
+        assert took < 30, f"--health-timeout 2 took {took:.0f} s"
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_the_client_deadline_is_total_and_its_limit_holds(tmp_path: Path) -> None:
+    """client.request on the trickling server: refused at its deadline (1 s) although every read succeeds; an
+    endless body is cut at the size limit; a complete answer within both is returned whole (the twin)."""
+    from vllm_dflash.validate import client
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    python = _fake_vllm_env(tmp_path)
+    env = {**os.environ, "FAKE_VLLM_NOTES": str(notes), "FAKE_VLLM_TRICKLE": "1"}
+    server = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server"], env=env)
+    try:
+        _wait_for(notes / "server")
+        url = f"http://127.0.0.1:{(notes / 'server').read_text().split()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(client.TransportError, match="no complete answer within 1 s"):
+            client.request("GET", url + "/health", 1.0, 1 << 20)
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(client.TooLarge, match="larger than 3 bytes"):
+            client.request("GET", url + "/health", 30.0, 3)
+        got = client.request("GET", url + "/metrics", 5.0, 1 << 20)
+        assert got.status == 200 and b"spec_decode_num_drafts_total 0" in got.body
+        session = client.Session()
+        session.abort()
+        with pytest.raises(client.TransportError, match="interrupted"):
+            session.request("GET", url + "/metrics", 5.0, 1 << 20)
+    finally:
+        server.kill()
+        server.wait()

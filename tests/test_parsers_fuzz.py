@@ -8,6 +8,7 @@ import json
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -189,12 +190,14 @@ def test_provenance(data: bytes) -> None:
 
 
 def _report() -> bytes:
+    zero: dict[str, Any] = {n: 0 for n in reports.COUNTER_NAMES} | {reports.PER_POSITION: {}}
+    after = {**zero, "num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 20}
     body = {
         "schema": reports.SCHEMA,
         "profile": {"name": "p", "sha256": "0" * 64, "num_speculative_tokens": 3},
         "server": {"artifact": {"sha256": "1" * 64, "name": "x.whl"}},
         # counts a vLLM drafting k = 3 can produce (load checks them): AL = 1 + 20 / 10 = 3.0
-        "counters": {"delta": {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 20}},
+        "counters": {"before": zero, "after": after, "delta": after},  # delta = after - before
         "acceptance": {"mean_acceptance_length": 3.0},
         "gates": [{"gate": "g", "passed": True, "value": 3.0, "threshold": 2.0, "detail": ""}],
         "verdict": "pass",
@@ -275,3 +278,173 @@ def test_an_accepted_version_round_trips_through_packaging(data: str) -> None:
     except DflashError:
         return
     assert str(Version(version)) == version and version.split("+")[1] == f"dflash.{int(version.split('.')[-1])}"
+
+
+# --- what a server answers, and the URL that names it (issue 26): one line, its class, never a traceback ----------
+
+import test_gate  # noqa: E402
+from test_gate import PROFILE, Fake, cli, error_lines  # noqa: E402
+
+from vllm_dflash.errors import MeasurementError  # noqa: E402
+from vllm_dflash.validate import metrics as vm  # noqa: E402
+from vllm_dflash.validate.server import check_url  # noqa: E402
+
+_FAMILIES = [vm.DRAFTS, vm.DRAFT_TOKENS, vm.ACCEPTED, vm.ACCEPTED_PER_POS, vm.GENERATION_TOKENS, "vllm:other"]
+_VALUES = st.one_of(
+    st.integers(-5, 10**6).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from(["+Inf", "-Inf", "NaN", "1e400", "0x10", "", "1_0", "9" * 400, "40.0", "1e-8"]),
+)
+_LABEL_VALUES = st.one_of(
+    st.integers(0, 40).map(str),
+    st.sampled_from(["0" * 5000, "9" * 5000, "01", "-1", "one", "", "٣", "1.5", '\\"', "\\n"]),
+    st.text(max_size=12),
+)
+
+
+@st.composite
+def metrics_text(draw: st.DrawFn) -> str:
+    """Prometheus text in vLLM's shape, with the kinds of damage a broken or hostile server sends: odd values,
+    position labels of thousands of digits, missing or repeated TYPE lines, cut lines, junk."""
+    lines: list[str] = []
+    for _ in range(draw(st.integers(0, 8))):
+        family = draw(st.sampled_from(_FAMILIES))
+        if draw(st.booleans()):
+            lines.append(f"# TYPE {family}_total {draw(st.sampled_from(['counter', 'gauge', 'histogram', 'x']))}")
+        labels = [f'engine="{draw(st.integers(0, 2))}"']
+        if family == vm.ACCEPTED_PER_POS or draw(st.booleans()):
+            labels.append(f'position="{draw(_LABEL_VALUES)}"')
+        suffix = draw(st.sampled_from(["_total", "_created", "", "_bucket"]))
+        line = f"{family}{suffix}{{{','.join(labels)}}} {draw(_VALUES)}"
+        lines.append(line[: draw(st.integers(0, len(line)))] if draw(st.integers(0, 9)) == 0 else line)
+    if draw(st.booleans()):
+        lines.insert(draw(st.integers(0, len(lines))), draw(st.text(max_size=30)))
+    return "\n".join(lines) + draw(st.sampled_from(["\n", "", "\n\n"]))
+
+
+def _one_measurement_line(exc: MeasurementError) -> None:
+    line = exc.one_line()
+    assert line.startswith("error: ") and "\n" not in line and len(line) < 2000, line[:300]
+    assert exc.return_code == MeasurementError.return_code
+
+
+@SETTINGS
+@given(text=st.one_of(metrics_text(), st.text(max_size=300)))
+def test_metrics_text(text: str) -> None:
+    try:
+        got = vm.parse_spec_counters(text)
+    except MeasurementError as exc:
+        _one_measurement_line(exc)
+        return
+    assert all(0 <= p < 10**6 for p in got.per_position)  # a parsed position is a draft position
+
+
+_BASE = metrics_text()
+
+
+@settings(max_examples=30, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(after=metrics_text())
+def test_validate_against_a_server_exporting_anything(
+    fake: tuple[str, Fake], root: Path, tmp_path: Path, after: str
+) -> None:
+    """Through the CLI against the fake server: exit 0, 1 or 2; exactly one `error:` line when 2, none otherwise;
+    never a traceback; the report strict JSON either way."""
+    url, state = fake
+    state.scrapes, state.before, state.after = 0, "", after
+    report = tmp_path / "r.json"
+    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--report", report, "--quiet",
+              "--num-prompts", "1")  # fmt: skip
+    assert run.returncode in (0, 1, 2) and "Traceback" not in run.stderr, run.stderr[-2000:]
+    lines = error_lines(run)
+    assert len(lines) == (1 if run.returncode == 2 else 0), run.stderr[-2000:]
+    assert all(len(line) < 2000 for line in lines)
+    reports.loads_strict(report.read_bytes())
+
+
+SECRET = "pw-s3cret"
+fake = test_gate.fake  # the fake OpenAI-compatible server whose /metrics says what a test wants
+root = test_gate.root  # a checkout with its profile
+
+
+@st.composite
+def endpoint_url(draw: st.DrawFn) -> str:
+    scheme = draw(st.sampled_from(["http://", "https://", "ftp://", "", "http:/", "HTTP://"]))
+    user = draw(st.sampled_from(["", "user@", f"user:{SECRET}@", ":@"]))
+    host = draw(st.sampled_from(["127.0.0.1", "[::1]", "[::1", "localhost", "", "a b", "x\x01y", "é.example",
+                                 "a" * 64 + ".example", "[", "]"]))  # fmt: skip
+    port = draw(st.sampled_from(["", ":9", ":99999", ":x", ":", ":-1", ":0"]))
+    path = draw(st.sampled_from(["", "/", "/v1", "/v1/", "/x", "//", "/v1/chat/completions", "/%00"]))
+    tail = draw(st.sampled_from(["", "?a=1", "#f", "?", "#"]))
+    return scheme + user + host + port + path + tail
+
+
+@SETTINGS
+@given(url=st.one_of(endpoint_url(), st.text(max_size=60)))
+def test_endpoint_url(url: str) -> None:
+    try:
+        base, note = check_url(url, "--endpoint")
+    except MeasurementError as exc:
+        _one_measurement_line(exc)
+        assert SECRET not in exc.one_line()
+        return
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base)
+    assert parts.scheme in ("http", "https") and parts.hostname and "@" not in parts.netloc
+    assert not parts.query and not parts.fragment and not base.endswith(("/", "/v1")), base
+    assert (note is not None) == url.rstrip("/").endswith("/v1")
+
+
+@settings(max_examples=25, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(url=endpoint_url())
+def test_validate_endpoint_url(root: Path, tmp_path: Path, url: str) -> None:
+    """Through the CLI: refused with one line (exit 2), or polled where nothing listens (one line, exit 2); no
+    traceback, the password never shown."""
+    run = cli(root, "validate", "--profile", PROFILE, "--endpoint", url, "--health-timeout", "0.3",
+              "--report", tmp_path / "r.json")  # fmt: skip
+    assert run.returncode == 2 and "Traceback" not in run.stderr, (url, run.stderr[-2000:])
+    assert len(error_lines(run)) == 1, (url, run.stderr)
+    assert SECRET not in run.stdout + run.stderr
+
+
+def test_endpoints_are_normalised_and_passwords_redacted() -> None:
+    from vllm_dflash import urls
+
+    assert check_url("http://gpu-7:8000/v1/", "--endpoint") == (
+        "http://gpu-7:8000",
+        "--endpoint: using the server's base URL (without /v1); the tool appends /v1 itself",
+    )
+    assert check_url("https://proxy.example/vllm/", "--endpoint") == ("https://proxy.example/vllm", None)
+    assert check_url("http://[::1]:8000", "--endpoint") == ("http://[::1]:8000", None)
+    assert urls.redact(f"https://me:{SECRET}@pypi.example/legacy/") == "https://me:***@pypi.example/legacy/"
+    assert urls.upload("https://me@pypi.example/legacy/", "--to", MeasurementError)  # a user alone is no secret
+
+
+@pytest.mark.parametrize(
+    ("ref", "ok"),
+    [
+        ("vllm-dflash:0.20.1-dflash.1", True),
+        ("registry.example.com:5000/ml/vllm-dflash@sha256:" + "a" * 64, True),
+        ("localhost/a__b/c-d.e", True),
+        ("sha256:" + "b" * 64, True),  # an image ID
+        ("--privileged", False),
+        ("ml/Vllm", False),
+        ("a b", False),
+        ("x:tag with space", False),
+        ("x@sha256:123", False),
+        ("x" * 300, False),
+    ],
+)
+def test_image_references(ref: str, ok: bool) -> None:
+    from vllm_dflash import oci
+
+    assert (oci.reference_problem(ref) is None) == ok, oci.reference_problem(ref)
+
+
+@SETTINGS
+@given(ref=st.text(max_size=80))
+def test_an_accepted_image_reference_is_no_option_and_no_words(ref: str) -> None:
+    from vllm_dflash import oci
+
+    if oci.reference_problem(ref) is None:
+        assert not ref.startswith("-") and ref.isascii() and not any(c.isspace() for c in ref) and ref

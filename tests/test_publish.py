@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 import tomlkit
-from conftest import write_wheel
+from conftest import provenance_bytes, write_wheel
 
+from vllm_dflash import provenance as prov
 from vllm_dflash.cli import main
 from vllm_dflash.errors import PublishRefusedError
 from vllm_dflash.fetch import sha256_file
@@ -57,11 +58,13 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",
 """
 
 
-def metrics_text(accepted: float) -> str:
-    """METRICS_TEXT with `accepted` tokens spread over the 3 positions as a drafter accepts them (3:2:1)."""
+def metrics_text(accepted: int) -> str:
+    """METRICS_TEXT with `accepted` tokens spread over the 3 positions as a drafter accepts them (about 3:2:1, whole
+    counts, non-increasing, summing to `accepted`)."""
     text = METRICS_TEXT.replace("ACCEPTED", repr(float(accepted)))
-    for pos, share in enumerate((3, 2, 1)):
-        text = text.replace(f"POS{pos}", repr(accepted * share / 6))
+    first, second = round(accepted * 3 / 6), round(accepted * 2 / 6)
+    for pos, count in enumerate((first, second, accepted - first - second)):
+        text = text.replace(f"POS{pos}", repr(float(count)))
     return text
 
 
@@ -70,8 +73,10 @@ ISOLATED_PIP = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
 
 
 def make_wheel(dest: Path, name: str = "gatedemo", version: str = "1.0.0", body: str = "VALUE = 1\n") -> Path:
-    """A minimal but complete wheel (METADATA, WHEEL, RECORD with hashes) that pip installs."""
-    return write_wheel(dest, name, version, {f"{name}/__init__.py": body.encode()})
+    """A minimal but complete wheel (METADATA, WHEEL, RECORD with hashes) that pip installs, carrying a provenance
+    document that names it (publish takes only our builds)."""
+    files = {f"{name}/__init__.py": body.encode(), prov.PATH: provenance_bytes(name, version)}
+    return write_wheel(dest, name, version, files)
 
 
 @pytest.fixture()
@@ -90,12 +95,14 @@ def root(tmp_path: Path, repo_root: Path) -> Path:
 
 
 def make_report(
-    root: Path, wheel_sha: str, path: Path, profile: str = PROFILE, accepted: float = 150.0, **over: Any
+    root: Path, wheel_sha: str, path: Path, profile: str = PROFILE, accepted: int = 150, **over: Any
 ) -> Path:
-    """A report built by the validator's own code paths (counters -> acceptance -> gates -> seal -> write)."""
+    """A report built by the validator's own code paths (scrapes -> delta -> acceptance -> gates -> seal -> write)."""
     prof = load_manifest(root).profiles[profile]
-    delta = metrics.parse_spec_counters(metrics_text(accepted))
-    acc = metrics.acceptance(delta, prof.num_speculative_tokens)
+    before = metrics.SpecCounters(present=True)
+    after = metrics.parse_spec_counters(metrics_text(accepted))
+    delta = after.minus(before)
+    acc = metrics.acceptance(delta, prof.num_speculative_tokens, prof.method)
     verdicts = judge(prof, acc, None)
     prompts = load_prompts(prof.prompts, prof.num_prompts)
     body: dict[str, Any] = {
@@ -107,7 +114,7 @@ def make_report(
             "mode": "subprocess",
             "artifact": {"kind": "wheel", "name": "x.whl", "sha256": wheel_sha, "binding": "installed"},
         },
-        "counters": {"delta": delta.as_dict()},
+        "counters": {"before": before.as_dict(), "after": after.as_dict(), "delta": delta.as_dict()},
         "acceptance": acc.as_dict(),
         "gates": [v.as_dict() for v in verdicts],
         "verdict": "pass" if all(v.passed for v in verdicts) else "fail",
@@ -133,7 +140,7 @@ def test_refuses_without_report(root: Path, tmp_path: Path, capsys: pytest.Captu
 
 def test_refuses_failed_report(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     wheel = make_wheel(tmp_path / "w")
-    report = make_report(root, sha256_file(wheel), tmp_path / "r.json", accepted=50.0)  # AL 1.5 < 2
+    report = make_report(root, sha256_file(wheel), tmp_path / "r.json", accepted=50)  # AL 1.5 < 2
     assert json.loads(report.read_text())["verdict"] == "fail"
     line = refused(
         capsys, ["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "i"), "--report", str(report)]
@@ -156,7 +163,7 @@ def test_refuses_report_for_another_artifact(root: Path, tmp_path: Path, capsys:
 
 def test_refuses_edited_report(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     wheel = make_wheel(tmp_path / "w")
-    report = make_report(root, sha256_file(wheel), tmp_path / "r.json", accepted=50.0)
+    report = make_report(root, sha256_file(wheel), tmp_path / "r.json", accepted=50)
     data = json.loads(report.read_text())
     data["verdict"] = "pass"  # a hand edit of a failed report
     data["acceptance"]["mean_acceptance_length"] = 2.5
@@ -288,7 +295,7 @@ def test_publish_uploads_with_twine_to_an_index_server(
         monkeypatch.setenv("TWINE_USERNAME", "ci")
         monkeypatch.setenv("TWINE_PASSWORD", "unused")  # the server is started without authentication
         wheel = make_wheel(tmp_path / "w", version="2.0.0", body="VALUE = 'uploaded'\n")
-        failed = make_report(root, sha256_file(wheel), tmp_path / "f.json", accepted=50.0)
+        failed = make_report(root, sha256_file(wheel), tmp_path / "f.json", accepted=50)
         refused(capsys, ["--root", str(root), "publish", str(wheel), "--to", f"{url}/", "--report", str(failed)])
         assert list(packages.iterdir()) == []  # nothing uploaded on refusal
         report = make_report(root, sha256_file(wheel), tmp_path / "r.json")

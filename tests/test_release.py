@@ -24,7 +24,7 @@ from test_publish import PROFILE, PROFILE_TABLE, make_report
 
 from vllm_dflash.errors import ProvenanceError, PublishRefusedError, StorageError, VerifyError
 from vllm_dflash.fetch import fetch
-from vllm_dflash.manifest import Manifest, load_manifest
+from vllm_dflash.manifest import Manifest, load_manifest, parse_profile
 from vllm_dflash.pipeline.model import PatchedTree, WheelResult
 from vllm_dflash.pipeline.patches import apply_series
 from vllm_dflash.pipeline.wheel import VERSION_PY, build_fast_wheel
@@ -48,6 +48,8 @@ from vllm_dflash.series import read_queue
 
 PLATFORMS = ("x86_64", "aarch64")
 ISOLATED_PIP = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
+# The checkout's test profile as verify judges the attached reports under it (the manifest's own profiles).
+PROFILES = {PROFILE: parse_profile(PROFILE, PROFILE_TABLE)}
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -135,7 +137,7 @@ def flip_middle_byte(data: bytes) -> bytes:
 
 def refused(target: Path, options: VerifyOptions | None = None) -> str:
     with pytest.raises(VerifyError) as info:
-        verify(target, options or VerifyOptions())
+        verify(target, options or VerifyOptions(profiles=PROFILES))
     line = info.value.one_line()
     assert info.value.return_code == 17
     assert "\n" not in line, line
@@ -244,31 +246,33 @@ def test_signed_release_layout_and_verify(
     assert check.returncode == 0, check.stdout + check.stderr
     assert check.stdout.count(": OK") == len(names) - 2
 
-    result = verify(d, VerifyOptions(public_keys=(keys["public"],)))
+    result = verify(d, VerifyOptions(profiles=PROFILES, public_keys=(keys["public"],)))
     assert result.signed and result.authenticated and result.key_id == signed.key_id and not result.partial
     assert set(result.files) == set(names)
     assert {(w.platform, w.sha256, tuple(r.profile for r in w.reports)) for w in result.wheels} == {
         (p, built[p].sha256, (PROFILE,)) for p in PLATFORMS
     }
-    own = verify(d)  # without a key: the release's own key, which proves integrity only
+    own = verify(
+        d, VerifyOptions(profiles=PROFILES)
+    )  # without a key: the release's own key, which proves integrity only
     assert own.signed and not own.authenticated
-    line = refused(d, VerifyOptions(public_keys=(keys["other"],)))
+    line = refused(d, VerifyOptions(profiles=PROFILES, public_keys=(keys["other"],)))
     assert line.startswith(f"error: {layout.PUBLIC_KEY}: the release is signed with key {signed.key_id}")
     # One artifact of the release: its wheel's files and the shared ones.
     wheel = d / built["aarch64"].path.name
-    part = verify(wheel, VerifyOptions(public_keys=(keys["public"],)))
+    part = verify(wheel, VerifyOptions(profiles=PROFILES, public_keys=(keys["public"],)))
     assert part.partial and [w.platform for w in part.wheels] == ["aarch64"]
-    assert verify(d / layout.sbom_name(wheel.name)).wheels == part.wheels
+    assert verify(d / layout.sbom_name(wheel.name), VerifyOptions(profiles=PROFILES)).wheels == part.wheels
 
 
 def test_unsigned_release(unsigned: Release, keys: dict[str, Path]) -> None:
     names = {p.name for p in unsigned.directory.iterdir()}
     assert not names & {layout.SUMS_ENVELOPE, layout.PUBLIC_KEY}
     assert not [n for n in names if n.endswith((layout.ENVELOPE_SUFFIX, ".json")) and layout.REPORT_INFIX in n]
-    result = verify(unsigned.directory)
+    result = verify(unsigned.directory, VerifyOptions(profiles=PROFILES))
     assert not result.signed and result.key_id is None and len(result.wheels) == 2
-    assert "not signed" in refused(unsigned.directory, VerifyOptions(public_keys=(keys["public"],)))
-    assert "not signed" in refused(unsigned.directory, VerifyOptions(require_signature=True))
+    assert "not signed" in refused(unsigned.directory, VerifyOptions(profiles=PROFILES, public_keys=(keys["public"],)))
+    assert "not signed" in refused(unsigned.directory, VerifyOptions(profiles=PROFILES, require_signature=True))
     notes = (unsigned.directory / layout.NOTES).read_text()
     assert "No validation report is attached" in notes and "Not signed." in notes
 
@@ -296,7 +300,7 @@ def test_any_altered_file_fails_verify(
     target = KINDS[kind](names)
     d = copy_release(signed.directory, tmp_path / "rel")
     replace_bytes(d / target, flip_middle_byte)
-    for options in (VerifyOptions(public_keys=(keys["public"],)), VerifyOptions()):
+    for options in (VerifyOptions(profiles=PROFILES, public_keys=(keys["public"],)), VerifyOptions(profiles=PROFILES)):
         line = refused(d, options)
         if kind == "sums":  # malformed, or no longer what the envelope signs: either way SHA256SUMS is named
             assert line.startswith(f"error: {layout.SUMS}"), line
@@ -355,7 +359,7 @@ def test_coordinated_alterations_fail(
     d = copy_release(signed.directory, tmp_path / "f")
     replace_bytes(d / layout.NOTES, lambda b: b + b"\nInstall from http://elsewhere.example\n")
     _resum(d)
-    for options in (VerifyOptions(), VerifyOptions(public_keys=(keys["public"],))):
+    for options in (VerifyOptions(profiles=PROFILES), VerifyOptions(profiles=PROFILES, public_keys=(keys["public"],))):
         assert refused(d, options).startswith(f"error: {layout.SUMS_ENVELOPE}: signs another")
     # Stripping every signature file makes it an unsigned release: that passes only when no signature is asked for.
     d = copy_release(signed.directory, tmp_path / "g")
@@ -363,9 +367,9 @@ def test_coordinated_alterations_fail(
         if p.name in (layout.PUBLIC_KEY, layout.SUMS_ENVELOPE) or p.name.endswith(layout.ENVELOPE_SUFFIX):
             p.unlink()
     _resum(d)
-    assert "not signed" in refused(d, VerifyOptions(public_keys=(keys["public"],)))
-    assert "not signed" in refused(d, VerifyOptions(require_signature=True))
-    assert not verify(d).signed
+    assert "not signed" in refused(d, VerifyOptions(profiles=PROFILES, public_keys=(keys["public"],)))
+    assert "not signed" in refused(d, VerifyOptions(profiles=PROFILES, require_signature=True))
+    assert not verify(d, VerifyOptions(profiles=PROFILES)).signed
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -482,7 +486,7 @@ def test_make_release_refusals(
     other = make_report(checkout, "0" * 64, tmp_path / "other.json")
     with pytest.raises(VerifyError, match="which is none of the wheels"):
         make_release(load_manifest(checkout), wheels, tmp_path / "r2", ReleaseOptions(reports=(other,)))
-    failed = make_report(checkout, built["x86_64"].sha256, tmp_path / "failed.json", accepted=10.0)
+    failed = make_report(checkout, built["x86_64"].sha256, tmp_path / "failed.json", accepted=10)
     with pytest.raises(VerifyError, match="did not pass"):
         make_release(load_manifest(checkout), wheels, tmp_path / "r3", ReleaseOptions(reports=(failed,)))
     (tmp_path / "r4").mkdir()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TOOLS = ("podman", "buildah", "debootstrap", "runc")
+TOOLS = ("podman", "buildah", "debootstrap", "runc", "docker-registry")
 FOREIGN = "x86_64" if platform.machine() in ("aarch64", "arm64") else "aarch64"
 EMULATION_TEST = "test_aarch64_image_checks_inside"  # one test of marker `emulation`
 

@@ -125,3 +125,10 @@ class CheckpointError(DflashError):
     """`doctor`: the drafter (or target) checkpoint cannot be read offline: no config.json, not JSON, not a drafter."""
 
     return_code = 18
+
+
+class SigningKeyError(DflashError):
+    """`release --sign-key`: the key cannot be read, is not PEM, is encrypted without (or with the wrong) password,
+    or is not Ed25519. Its own class: a bad key is neither a failed gate (1) nor a release that does not verify."""
+
+    return_code = 25  # 20-24 are doctor verdicts

@@ -40,14 +40,18 @@ def sha256_file(path: Path, error: type[DflashError] = StorageError) -> str:
 
 
 def _open(url: str, accept: str | None = None):  # type: ignore[no-untyped-def]
-    req = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
     try:
+        req = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
         return urllib.request.urlopen(req, timeout=60)
     except urllib.error.HTTPError as exc:
         raise NetworkError(f"{url}: HTTP {exc.code} {exc.reason}", "check the name and the index URL") from None
     except (urllib.error.URLError, TimeoutError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise NetworkError(f"cannot reach {url}: {reason}", "check the network or set VLLM_DFLASH_INDEX_URL") from None
+    except ValueError as exc:  # not a URL urllib can open (a bad VLLM_DFLASH_INDEX_URL): unknown type, bad IPv6
+        from vllm_dflash.urls import redact
+
+        raise NetworkError(f"{redact(url)[:200]} is not a URL ({exc})", "fix VLLM_DFLASH_INDEX_URL") from None
 
 
 def project_files(project: str) -> dict[str, dict[str, object]]:
@@ -55,11 +59,16 @@ def project_files(project: str) -> dict[str, dict[str, object]]:
     with _open(f"{index_url()}/{project}/", "application/vnd.pypi.simple.v1+json") as resp:
         try:
             data = json.load(resp)
-        except json.JSONDecodeError:
-            raise NetworkError(
-                f"{index_url()}/{project}/ did not answer with PEP 691 JSON", "point VLLM_DFLASH_INDEX_URL at one"
-            ) from None
-    return {f["filename"]: f for f in data.get("files", [])}
+        except (ValueError, RecursionError):
+            data = None
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, list) or not all(
+        isinstance(f, dict) and isinstance(f.get("filename"), str) for f in files
+    ):
+        raise NetworkError(
+            f"{index_url()}/{project}/ did not answer with PEP 691 JSON", "point VLLM_DFLASH_INDEX_URL at one"
+        )
+    return {f["filename"]: f for f in files}
 
 
 def resolve(artifact: Artifact) -> tuple[str, int | None]:

@@ -635,6 +635,8 @@ def _read_toml_text(path: Path) -> tuple[dict[str, Any], str]:
         raise ManifestError(f"{path} is not UTF-8 text (byte {exc.start})", "save it as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise ManifestError(f"{path} is not valid TOML: {exc}", "fix the syntax error it names") from None
+    except RecursionError:
+        raise ManifestError(f"{path} nests arrays or tables deeper than TOML can be read", "flatten it") from None
 
 
 _TOP_KEYS = ("upstream", "artifacts", "build", "releases", "pins", "profiles", "publish", "distribution")

@@ -19,6 +19,7 @@ import shutil
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from vllm_dflash.errors import DISK_FULL_HINT, DflashError, ManifestError, StorageError
 
@@ -124,17 +125,48 @@ def read_bounded(path: Path, limit: int, what: str, error: type[DflashError] = S
     return data
 
 
+def read_zip_member(
+    zf: Any, info: Any, limit: int, where: str, error: type[DflashError] = StorageError, hint: str = ""
+) -> bytes:
+    """The bytes of one member of an open zipfile.ZipFile, read bounded: a member whose size is above `limit`,
+    encrypted, stored with a method other than stored or deflate (what wheels use), or corrupt (bad CRC, truncated,
+    a broken stream) is one `error` line naming it, never another exception. zipfile inflates no further than the
+    size the central directory states, so a bomb that understates its size ends in a CRC error, not in memory."""
+    import zipfile
+    import zlib
+
+    name = f"{where}: member {str(info.filename)[:120]!r}"
+    if info.flag_bits & 0x1:
+        raise error(f"{name} is encrypted", hint or "a wheel's members are never encrypted")
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise error(
+            f"{name} is compressed with zip method {info.compress_type}, not stored or deflate",
+            hint or "a wheel is written with deflate (PEP 427)",
+        )
+    if info.file_size > limit:
+        raise error(f"{name} is {info.file_size} bytes, larger than the {_size(limit)} limit for it", hint)
+    try:
+        with zf.open(info) as fh:
+            data: bytes = fh.read(limit)
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, RuntimeError, NotImplementedError) as exc:
+        raise error(f"{name} is corrupt ({str(exc)[:200]})", hint or "use an intact copy") from None
+    return data
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Outputs, checked before any work
 
 _SYSTEM_DIRS = ("/etc", "/usr", "/proc", "/dev", "/sys", "/boot", "/bin", "/sbin", "/lib", "/lib64")
 
 
-def check_output_file(path: Path, what: str) -> Path:
+def check_output_file(path: Path, what: str, probe: bool = False) -> Path:
     """`path` when a result may be written there: absent, or a regular file (which the atomic rename replaces).
 
     A device, FIFO, socket, directory or symlink at `path` is refused: the rename would replace it with a regular
-    file (as root, `/dev/full` would stop being a device), and none of those is ours to replace.
+    file (as root, `/dev/full` would stop being a device), and none of those is ours to replace. With `probe` (the
+    CLI's check before the first stage) the place is also tried: a marked file is made and removed beside it (or a
+    marked directory in the nearest existing ancestor), since /proc, /sys or a read-only mount say no only when
+    asked -- never after an hour of measuring.
     """
     try:
         mode = os.lstat(path).st_mode
@@ -147,11 +179,22 @@ def check_output_file(path: Path, what: str) -> Path:
             f"{what} {path} exists and is {_kind(mode)}, not a regular file",
             "name a new file or a regular file to replace; the tool never writes over anything else",
         )
-    probe = path.parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise StorageError(f"{what} {path}: {probe} is not a directory", "choose a path in a directory")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise StorageError(f"{what} {path}: {ancestor} is not a directory", "choose a path in a directory")
+    if probe:
+        try:
+            if ancestor == path.parent:
+                os.close(os.open(test := temp_sibling(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+                os.unlink(test)
+            else:
+                os.mkdir(test := ancestor / _marked("probe", "tmp"))
+                os.rmdir(test)
+        except OSError as exc:
+            first = path if ancestor == path.parent else ancestor / path.relative_to(ancestor).parts[0]
+            raise storage_error(exc, first, f"create {what}") from None
     return path
 
 
@@ -201,13 +244,20 @@ def local_destination(to: str, what: str = "--to", error: type[DflashError] = St
     """
     from urllib.parse import unquote, urlparse
 
+    from vllm_dflash import urls
+
     value = to.strip()
     if value in ("", "-") or value.rstrip("/") in ("file:", "file:/"):
         raise error(
             f"{what} {to!r} names no directory",
             "pass an index directory (e.g. ./index) or a file:///absolute/path URL",
         )
-    parsed = urlparse(value)
+    try:
+        parsed = urlparse(value)
+    except ValueError as exc:  # e.g. an unclosed IPv6 literal
+        raise error(
+            f"{what} {urls.redact(to)[:200]} is not a URL ({exc})", "pass a directory or an http(s) URL"
+        ) from None
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             return None  # another host: the publisher's own check words it
@@ -217,7 +267,11 @@ def local_destination(to: str, what: str = "--to", error: type[DflashError] = St
     elif parsed.scheme == "":
         path = Path(value)
     else:
+        if parsed.scheme in ("http", "https"):
+            urls.upload(value, what, error)  # no password in it: it would be echoed with twine's command line
         return None  # an upload URL, or a scheme the publisher refuses itself
+    if "\x00" in str(path):
+        raise error(f"{what} {to!r} names a path with a NUL byte", "pass a directory path")
     system = is_system_dir(path)
     if system is not None:
         raise error(f"{what} {to} is inside the system directory {system}", "publish into a directory of your own")

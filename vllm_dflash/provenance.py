@@ -228,21 +228,28 @@ def from_dict(data: Any, where: str = PATH) -> Provenance:
 def loads(raw: bytes | str, where: str = PATH) -> Provenance:
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ProvenanceError(f"{where} is not JSON: {exc}", "the wheel was not built by vllm-dflash") from None
     return from_dict(data, where)
 
 
+LIMIT = 4 << 20  # the document is a few KB
+
+
 def read_wheel(wheel: Path) -> Provenance:
-    """The provenance document a wheel carries; ProvenanceError when it has none or it is malformed."""
+    """The provenance document a wheel carries (read bounded); ProvenanceError when it has none or it is malformed.
+    What the rest of the wheel says is checked against it by pipeline/wheelfile.inspect_wheel."""
+    from vllm_dflash.paths import read_zip_member
+
     try:
         with zipfile.ZipFile(wheel) as zf:
             try:
-                raw = zf.read(PATH)
+                info = zf.getinfo(PATH)
             except KeyError:
                 raise ProvenanceError(
                     f"{wheel.name} carries no {PATH}", "build the wheel with `vllm-dflash build`"
                 ) from None
-    except (zipfile.BadZipFile, OSError) as exc:
+            raw = read_zip_member(zf, info, LIMIT, wheel.name, ProvenanceError, "pass a wheel built by vllm-dflash")
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as exc:
         raise ProvenanceError(f"{wheel} is not a readable wheel: {exc}", "pass a wheel file") from None
     return loads(raw, f"{wheel.name}:{PATH}")

@@ -2,20 +2,24 @@
 or a whole release directory (`publish RELEASE_DIR --to DIR`), where every platform's wheel needs its own report.
 
 The gate has no override. It demands a report that (1) verifies against its seal (and HMAC when
-$VLLM_DFLASH_REPORT_KEY is set) and carries only numbers a measurement can give, (2) says "pass", (3) names this
-exact artifact -- the wheel file's sha256 or the image's content ID --, (4) comes from a profile the manifest lists
-in [publish].required_profiles, with the very definition the manifest holds now, (5) measured that profile's own
-prompt set, all of it (not an exploratory run), and (6) binds the served code to the artifact by `installed` or
-`image`; a `declared` binding (an endpoint) passes only with the explicit flag, which the index records. Wheels are
-published under the name and version of their own METADATA (simple_index), to a local index (a directory or
-file:// URL) or an upload URL via twine; images are tagged and pushed with the container tool. Every check happens
-before the first byte is written: a refused publish leaves the destination as it was.
+$VLLM_DFLASH_REPORT_KEY is set) and carries only numbers a measurement can give, (2) comes from a profile the
+manifest lists in [publish].required_profiles, its profile section the manifest's field by field, (3) passes when
+judged again under that profile (validate/verdict.py: k, gates and thresholds the manifest's, every number and gate
+recomputed from the counters; a recorded verdict is never read), (4) names this exact artifact -- the wheel file's
+sha256 or the image's content ID --, (5) measured that profile's own prompt set, all of it (not an exploratory run),
+and (6) binds the served code to the artifact by `installed` or `image`; a `declared` binding (an endpoint) passes
+only with the explicit flag, which the index records. A wheel must then be what its bytes say and a build of ours
+(pipeline/wheelfile.inspect_wheel). Wheels are published under the name and version of their own METADATA, to a
+local index (a directory or file:// URL; one publish at a time under its lock) or an upload URL via twine; images
+are tagged by their validated ID and pushed with the container tool. Every check happens before the first byte is
+written: a refused publish leaves the destination as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import sys
 import tempfile
@@ -30,12 +34,14 @@ from vllm_dflash.errors import ContainerError, DflashError, NetworkError, Publis
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest, Profile
 from vllm_dflash.paths import bare_name, storage_error, sweep_stale, temp_sibling
+from vllm_dflash.pipeline.wheelfile import inspect_wheel, normalize
 from vllm_dflash.release import layout
 from vllm_dflash.release.verify import VerifyOptions, VerifyResult, verify
 from vllm_dflash.report import ValidationReport
-from vllm_dflash.simple_index import LocalIndex, copy_hashed, normalize, read_wheel_meta, real_dir
+from vllm_dflash.simple_index import LocalIndex, PlannedWheel, copy_hashed, read_wheel_meta, real_dir
+from vllm_dflash.validate import verdict
 
-__all__ = ["normalize"]  # re-exported (the index's name rule lives in simple_index)
+__all__ = ["normalize"]  # re-exported (the name rule lives with the wheel reader)
 
 _REFUSE_HINT = "run `vllm-dflash validate` on a GPU node for this artifact and pass its report with --report"
 
@@ -54,6 +60,7 @@ class PublishResult:
     destination: str
     profile: str
     report: Path
+    pushed_digest: str | None = None  # an image: the digest the registry stores it under
 
 
 def identify(artifact: str, container_tool: str = "docker") -> ArtifactId:
@@ -84,28 +91,24 @@ def check_gate(
     if report_path is None:
         raise PublishRefusedError(f"no validation report given for {artifact.name}", _REFUSE_HINT)
     rep = reports.load(report_path, reports.key_from_env(), PublishRefusedError, _REFUSE_HINT)
-    if rep.verdict != "pass":
+    profile = rep.profile_name
+    required = manifest.publish.required_profiles
+    if profile not in required:
         raise PublishRefusedError(
-            f"report {report_path} did not pass (verdict {rep.verdict}, {rep.why_not_passed()})", ""
+            f"report profile '{profile[:64]}' is not one the manifest requires for publishing {list(required)}",
+            "validate with a required profile",
         )
+    current = manifest.profiles[profile]
+    # k, the gates and their thresholds are the manifest's, and the verdict is the one the report's counters give.
+    judged = verdict.check(rep, manifest.profiles, PublishRefusedError, "validate again with the manifest's profile")
+    if judged.verdict != "pass":
+        failed = f"failed gates {list(judged.failed)}" if judged.failed else f"error: {rep.error}"
+        raise PublishRefusedError(f"report {report_path} did not pass (verdict {judged.verdict}, {failed})", "")
     if rep.artifact_sha256 != artifact.sha256:
         raise PublishRefusedError(
             f"report {report_path} is for another artifact ({rep.artifact_sha256 or 'none named'}), "
             f"not {artifact.name} ({artifact.sha256})",
             "validate this exact artifact (validate --wheel FILE or --image REF)",
-        )
-    profile = rep.profile_name
-    required = manifest.publish.required_profiles
-    if profile not in required:
-        raise PublishRefusedError(
-            f"report profile '{profile}' is not one the manifest requires for publishing {list(required)}",
-            "validate with a required profile",
-        )
-    current = manifest.profiles.get(profile)
-    if current is None or current.digest != rep.profile_sha256:
-        raise PublishRefusedError(
-            f"report was made with a different definition of profile '{profile}' than dist.toml now holds",
-            "validate again with the manifest's profile",
         )
     _check_prompts(rep, current, report_path)
     _check_binding(rep, report_path, accept_declared)
@@ -230,8 +233,10 @@ def publish_wheel_local(
     name with other content is refused, as PyPI does. Every check happens before the first byte is written.
     """
     idx = LocalIndex(root)
-    planned = idx.plan(wheel, sha256 or sha256_file(wheel), record or {})
-    idx.write(planned)
+    want = sha256 or sha256_file(wheel)
+    idx.plan(wheel, want, record or {})  # refused here, the index is untouched (not even its lock file made)
+    with idx.transaction():  # concurrent publishes to this index run one after another: check again inside
+        idx.write(idx.plan(wheel, want, record or {}))
     return idx.simple
 
 
@@ -266,10 +271,26 @@ def publish_wheel_twine(wheel: Path, url: str, sha256: str | None = None) -> Non
         )
 
 
-def publish_image(image: str, to: str, tool: str) -> None:
-    """Tag the validated image (same image ID) as `to` and push it."""
-    proc.call(tool, "tag", image, to, error=ContainerError, hint=f"check that {image} exists")
-    proc.call(tool, "push", to, error=ContainerError, hint=f"log in to the registry of {to} first")
+def publish_image(image_id: str, to: str, tool: str) -> str | None:
+    """Tag the validated image as `to` -- by the image ID the report names, not by a name that may have moved to
+    another image since -- and push it; the digest the registry stores it under (what a release names, REPO@DIGEST)
+    when the tool says (podman: --digestfile; docker: the repo digest it records)."""
+    proc.call(tool, "tag", image_id, to, error=ContainerError, hint=f"check that image {image_id} still exists")
+    with tempfile.TemporaryDirectory(prefix="vllm-dflash-push-") as tmp:
+        digestfile = Path(tmp) / "digest"
+        extra = ["--digestfile", str(digestfile)] if tool == "podman" else []
+        proc.call(tool, "push", *extra, to, error=ContainerError, hint=f"log in to the registry of {to} first")
+        if digestfile.is_file():
+            return digestfile.read_text().strip() or None
+    if tool != "docker":
+        return None
+    found = proc.call(tool, "image", "inspect", "--format", "{{json .RepoDigests}}", to, capture=True, check=False)
+    repo = to.rsplit(":", 1)[0] if ":" in to.rsplit("/", 1)[-1] else to
+    with contextlib.suppress(ValueError, TypeError):
+        for ref in json.loads(found.stdout or "[]"):
+            if str(ref).startswith(f"{repo}@sha256:"):
+                return str(ref).split("@", 1)[1]
+    return None
 
 
 def publish(
@@ -285,6 +306,9 @@ def publish(
     ident = identify(artifact, container_tool)
     rep = check_gate(report, ident, manifest, accept_declared)
     assert report is not None
+    pushed: str | None = None
+    if ident.path is not None:  # what the wheel is comes from its bytes, and it must be a build of ours
+        inspect_wheel(ident.path, PublishRefusedError, require_provenance=True)
     if ident.kind == "wheel":
         assert ident.path is not None
         if local is not None:
@@ -295,9 +319,11 @@ def publish(
             publish_wheel_twine(ident.path, to, ident.sha256)
             destination = to
     else:
-        publish_image(ident.name, to, container_tool)
+        pushed = publish_image(ident.sha256, to, container_tool)
         destination = to
-    return PublishResult(artifact=ident, destination=destination, profile=rep.profile_name, report=report)
+    return PublishResult(
+        artifact=ident, destination=destination, profile=rep.profile_name, report=report, pushed_digest=pushed
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -348,7 +374,9 @@ def publish_plan(
 
     `options` default: no signature required, reports checked with $VLLM_DFLASH_REPORT_KEY when set (as publish).
     """
-    result = verify(release_dir, options or VerifyOptions(report_key=reports.key_from_env()))
+    result = verify(
+        release_dir, options or VerifyOptions(report_key=reports.key_from_env(), profiles=manifest.profiles)
+    )
     if result.partial:
         raise PublishRefusedError(f"{release_dir} is one artifact, not a release directory", "pass the directory")
     wanted = tuple(platforms) if platforms is not None else tuple(sorted(manifest.wheels))
@@ -415,67 +443,78 @@ def publish_release(
     assert files_dir is not None
     digests = plan.release.digests
 
-    # Every check before the first byte is written.
-    if root is not None:
-        real_dir(root / "releases", "index directory")
-    real_dir(files_dir, "release files directory")
-    others = [p for p in plan.files if p.suffix != ".whl"]
-    for path in others:
-        dest = files_dir / path.name
-        if dest.is_symlink() or (dest.exists() and not dest.is_file()):
-            raise PublishRefusedError(f"{dest} is not a regular file", f"remove {dest}")
-        if dest.exists() and sha256_file(dest) != digests.get(path.name):
-            raise PublishRefusedError(f"{dest} already exists with different content", "published files are immutable")
-    chosen = [d for d in plan.decisions if d.wheel is not None]
     idx = LocalIndex(root) if root is not None else None
-    planned = []
-    if idx is not None:
-        for d in chosen:
-            assert d.wheel is not None and d.sha256 is not None and d.report is not None
-            rep = reports.load(d.report, reports.key_from_env(), PublishRefusedError, _REFUSE_HINT)
-            record = {**publish_record(rep, accept_declared), "sha256": d.sha256}
-            planned.append(idx.plan(d.wheel, d.sha256, record))
-    else:
-        for d in chosen:
-            assert d.wheel is not None
-            read_wheel_meta(d.wheel)
+    others = [p for p in plan.files if p.suffix != ".whl"]
+    chosen = [d for d in plan.decisions if d.wheel is not None]
 
-    # Writing: every copy (wheels and release files) staged and hashed first, then all renamed into place.
-    staged = idx.stage(*planned) if idx is not None else None
-    parts: list[tuple[Path, Path]] = []
-    made_dirs = [p for p in (files_dir.parent, files_dir) if not p.exists()]
-    try:
-        for new_dir in made_dirs:
-            new_dir.mkdir(exist_ok=True)
+    def check() -> list[PlannedWheel]:
+        """Every check before the first byte is written; the index's wheels planned."""
+        if root is not None:
+            real_dir(root / "releases", "index directory")
+        real_dir(files_dir, "release files directory")
         for path in others:
             dest = files_dir / path.name
-            if not (dest.is_file() and sha256_file(dest) == digests.get(path.name)):
-                parts.append((_stage_release_file(path, dest, digests[path.name]), dest))
-    except BaseException as exc:
-        for part, _ in parts:
-            part.unlink(missing_ok=True)
-        for new_dir in reversed(made_dirs):
-            with contextlib.suppress(OSError):
-                new_dir.rmdir()
+            if dest.is_symlink() or (dest.exists() and not dest.is_file()):
+                raise PublishRefusedError(f"{dest} is not a regular file", f"remove {dest}")
+            if dest.exists() and sha256_file(dest) != digests.get(path.name):
+                raise PublishRefusedError(
+                    f"{dest} already exists with different content", "published files are immutable"
+                )
+        planned = []
+        if idx is not None:
+            for d in chosen:
+                assert d.wheel is not None and d.sha256 is not None and d.report is not None
+                rep = reports.load(d.report, reports.key_from_env(), PublishRefusedError, _REFUSE_HINT)
+                record = {**publish_record(rep, accept_declared), "sha256": d.sha256}
+                planned.append(idx.plan(d.wheel, d.sha256, record))
+        else:
+            for d in chosen:
+                assert d.wheel is not None
+                read_wheel_meta(d.wheel)
+        return planned
+
+    check()  # refused here, nothing is touched (not even the index's lock file)
+    # A local index: the whole write is one transaction on it (its lock held from the checks, made again, to the
+    # last rename), so a concurrent publish neither interleaves with it nor sees it half done.
+    with idx.transaction() if idx is not None else contextlib.nullcontext():
+        planned = check()
+
+        # Writing: every copy (wheels and release files) staged and hashed first, then all renamed into place.
+        staged = idx.stage(*planned) if idx is not None else None
+        parts: list[tuple[Path, Path]] = []
+        made_dirs = [p for p in (files_dir.parent, files_dir) if not p.exists()]
+        try:
+            for new_dir in made_dirs:
+                new_dir.mkdir(exist_ok=True)
+            for path in others:
+                dest = files_dir / path.name
+                if not (dest.is_file() and sha256_file(dest) == digests.get(path.name)):
+                    parts.append((_stage_release_file(path, dest, digests[path.name]), dest))
+        except BaseException as exc:
+            for part, _ in parts:
+                part.unlink(missing_ok=True)
+            for new_dir in reversed(made_dirs):
+                with contextlib.suppress(OSError):
+                    new_dir.rmdir()
+            if staged is not None and idx is not None:
+                idx.abort(staged)
+            if isinstance(exc, OSError):
+                raise storage_error(exc, files_dir, "write") from None
+            raise
         if staged is not None and idx is not None:
-            idx.abort(staged)
-        if isinstance(exc, OSError):
+            idx.commit(staged)
+            destination = idx.simple.as_uri()
+        else:
+            for d in chosen:
+                assert d.wheel is not None
+                publish_wheel_twine(d.wheel, to, d.sha256)
+            destination = to
+        try:
+            sweep_stale(files_dir)
+            for part, dest in parts:
+                os.replace(part, dest)
+        except OSError as exc:
             raise storage_error(exc, files_dir, "write") from None
-        raise
-    if staged is not None and idx is not None:
-        idx.commit(staged)
-        destination = idx.simple.as_uri()
-    else:
-        for d in chosen:
-            assert d.wheel is not None
-            publish_wheel_twine(d.wheel, to, d.sha256)
-        destination = to
-    try:
-        sweep_stale(files_dir)
-        for part, dest in parts:
-            os.replace(part, dest)
-    except OSError as exc:
-        raise storage_error(exc, files_dir, "write") from None
     return ReleasePublished(plan=plan, index=destination, files_dir=files_dir)
 
 

@@ -2,7 +2,9 @@
 
 `validate` writes one; `publish`, `release` and `verify` read it. A report carries a sha256 over its canonical
 content (any edit made without re-sealing shows) and, with $VLLM_DFLASH_REPORT_KEY set, an HMAC-SHA256 that only
-holders of the key can produce.
+holders of the key can produce. A seal says who wrote it, not that it is true: the rules on the numbers a report may
+carry live here too (the counts a vLLM exports; validate applies them to /metrics and every reader again), and the
+readers judge its verdict again from its counters (validate/verdict.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -64,9 +67,20 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r} in one object")
+        out[key] = value
+    return out
+
+
 def loads_strict(raw: bytes | str) -> Any:
-    """JSON as RFC 8259 has it: NaN, Infinity and -Infinity (which Python's json accepts) are refused."""
-    return json.loads(raw, parse_constant=_no_constant)
+    """JSON as RFC 8259 has it: NaN, Infinity and -Infinity (which Python's json accepts) are refused, and so is an
+    object naming a key twice anywhere in the document (Python keeps the last one silently, another reader the first:
+    a `"verdict": "fail"` shadowed by a later `"pass"` must not read as a pass here)."""
+    return json.loads(raw, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
 
 
 def write(report: Mapping[str, Any], path: Path, key: bytes | None = None) -> None:
@@ -205,36 +219,207 @@ def load(path: Path, key: bytes | None, error: type[DflashError], hint: str = ""
     return ValidationReport(path=path, data=data, raw=raw)
 
 
-def measurement_problem(data: Mapping[str, Any]) -> str | None:
-    """None when a report's numbers are ones validate can have measured; else what is impossible about them.
+# ---------------------------------------------------------------------------------------------------------------
+# The numbers a report may carry. Validate applies these rules to the /metrics it scrapes (validate/metrics.py) and
+# every reader (publish, release, verify) applies them again to the counters the report carries: one set of rules,
+# stated here, where the document that carries the numbers is owned.
 
-    The same rules validate applies to /metrics (metrics.count_problem) run again on the counter delta the report
-    carries, and its AL must be the one that delta gives: a report re-sealed after an edit (with a valid key, even)
-    still cannot carry an impossible number. Reports that measured nothing (verdict error) carry no numbers.
-    """
-    from vllm_dflash.validate.metrics import count_problem
+# The counters of one scrape as a report writes them (metrics.SpecCounters.as_dict), the per-position family apart.
+COUNTER_NAMES = (
+    "num_drafts",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "generation_tokens",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+)
+PER_POSITION = "num_accepted_tokens_per_pos"
+# vLLM counts with Prometheus counters, i.e. floats: whole numbers are exact up to 2^53, and no run comes near it.
+MAX_COUNT = 2**53
+# A draft position is below k (vLLM's k is a few dozen at most); a longer label is no position (and a 5000-digit one
+# must not reach int(), which refuses more than 4300 digits with an exception of its own).
+MAX_POSITION_DIGITS = 6
+# Methods whose vLLM exports the per-position family on every server (the DFlash proposer always drafts k tokens).
+PER_POSITION_METHODS = ("dflash",)
 
-    if data.get("verdict") not in ("pass", "fail"):
+
+def count_value_problem(name: str, value: Any) -> str | None:
+    """None when `value` is a count as vLLM exports one: a whole number >= 0 (an integral float like 40.0 is one,
+    40.5 or 1e-8 is not); else what is wrong with it."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        return f"{name} = {value!r} is not a finite count >= 0"
+    if value > MAX_COUNT:
+        return f"{name} = {value!r} is above 2^53, beyond what a counter holds exactly"
+    if isinstance(value, float) and not value.is_integer():
+        return f"{name} = {value!r} is not a whole number (vLLM counts drafts and tokens)"
+    return None
+
+
+def position_of(label: Any) -> int | None:
+    """The draft position a per-position label names when it is written as vLLM writes one (`str(int)`: ASCII
+    digits, no sign, no zero padding, at most MAX_POSITION_DIGITS of them); else None."""
+    if not isinstance(label, str) or not 0 < len(label) <= MAX_POSITION_DIGITS:
         return None
-    k = (data.get("profile") or {}).get("num_speculative_tokens")
+    if not (label.isascii() and label.isdigit()) or (label != "0" and label.startswith("0")):
+        return None
+    return int(label)
+
+
+def per_position_required(method: str | None) -> bool:
+    return method in PER_POSITION_METHODS
+
+
+def count_problem(
+    drafts: Any,
+    draft_tokens: Any,
+    accepted: Any,
+    per_position: Mapping[int, Any],
+    k: int,
+    require_per_position: bool = False,
+) -> str | None:
+    """None when a delta of counts is one a vLLM drafting up to `k` tokens per draft can produce; else what is
+    impossible about it. Drafted nothing is a problem too: there is nothing to measure. Counts are whole numbers, so
+    every comparison is exact (no tolerance: a count below one is no count at all)."""
+    named = {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted}
+    named.update({f"num_accepted_tokens_per_pos[{p}]": v for p, v in per_position.items()})
+    for name, value in named.items():
+        problem = count_value_problem(name, value)
+        if problem is not None:
+            return problem
+    if drafts == 0:
+        return "the server drafted nothing during the run (0 drafts): acceptance cannot be measured"
+    if accepted > draft_tokens:
+        return f"{accepted:g} accepted tokens exceed the {draft_tokens:g} draft tokens"
+    if draft_tokens > drafts * k:
+        return f"{draft_tokens:g} draft tokens exceed {drafts:g} drafts x k = {k} (AL can never exceed k + 1)"
+    if require_per_position and not per_position:
+        return (
+            "there are no per-position counts (vllm:spec_decode_num_accepted_tokens_per_pos), which vLLM exports "
+            "for every DFlash server"
+        )
+    if per_position:
+        outside = [p for p in per_position if not 0 <= p < k]
+        if outside:
+            return f"accepted tokens at draft position {max(outside)}, outside 0..{k - 1} (k = {k})"
+        ordered = [per_position.get(p, 0) for p in range(k)]
+        for p, count in enumerate(ordered):
+            if count > drafts:
+                return f"{count:g} tokens accepted at position {p}, more than the {drafts:g} drafts"
+            if p and count > ordered[p - 1]:
+                return (
+                    f"more tokens accepted at position {p} ({count:g}) than at position {p - 1} "
+                    f"({ordered[p - 1]:g}): a draft is accepted up to its first rejected token"
+                )
+        if sum(ordered) != accepted:
+            return f"the per-position counts sum to {sum(ordered):g}, not the {accepted:g} accepted tokens"
+    return None
+
+
+@dataclass(frozen=True)
+class Counts:
+    """One counter set of a report (`counters.before`, `.after` or `.delta`), checked: every value a count."""
+
+    values: Mapping[str, float]  # COUNTER_NAMES
+    per_position: Mapping[int, float]
+
+
+def read_counts(found: Any, where: str) -> Counts | str:
+    """The counter set `found` (as a report writes it), or what is wrong with it (a string)."""
+    if not isinstance(found, Mapping):
+        return f"it has no {where} counters"
+    names = {*COUNTER_NAMES, PER_POSITION}
+    if set(found) != names:
+        extra, missing = sorted(set(found) - names), sorted(names - set(found))
+        return f"its {where} counters have fields {extra} no scrape gives and lack {missing}"
+    for name in COUNTER_NAMES:
+        problem = count_value_problem(f"{where}.{name}", found[name])
+        if problem is not None:
+            return problem
+    raw = found[PER_POSITION]
+    if not isinstance(raw, Mapping):
+        return f"its {where}.{PER_POSITION} is not keyed by draft position"
+    per_pos: dict[int, float] = {}
+    for label, value in raw.items():
+        pos = position_of(label)
+        if pos is None:
+            return f"its {where}.{PER_POSITION} has label {str(label)[:20]!r}, not a draft position as vLLM writes one"
+        problem = count_value_problem(f"{where}.{PER_POSITION}[{label}]", value)
+        if problem is not None:
+            return problem
+        per_pos[pos] = float(value)
+    return Counts({n: float(found[n]) for n in COUNTER_NAMES}, per_pos)
+
+
+def delta_problem(before: Counts, after: Counts, delta: Counts) -> str | None:
+    """None when `delta` is exactly `after - before`, field by field (no counter went down)."""
+    for name in COUNTER_NAMES:
+        b, a, d = before.values[name], after.values[name], delta.values[name]
+        if a < b:
+            return f"its counter {name} went down from {b:g} to {a:g} during the run"
+        if a - b != d:
+            return f"its delta {name} = {d:g} is not after - before = {a:g} - {b:g}"
+    positions = set(before.per_position) | set(after.per_position)
+    if set(delta.per_position) != positions:
+        return f"its delta has draft positions {sorted(delta.per_position)}, its scrapes {sorted(positions)}"
+    for p in sorted(positions):
+        b, a = before.per_position.get(p, 0.0), after.per_position.get(p, 0.0)
+        if a < b:
+            return f"its counter {PER_POSITION}[{p}] went down from {b:g} to {a:g} during the run"
+        if a - b != delta.per_position[p]:
+            return f"its delta {PER_POSITION}[{p}] = {delta.per_position[p]:g} is not after - before = {a:g} - {b:g}"
+    return None
+
+
+def measured_counts(data: Mapping[str, Any], k: int, method: str | None) -> Counts | str:
+    """The counter delta of a report that measured something (verdict pass or fail), checked against its scrapes and
+    against what a vLLM drafting `k` tokens (with `method`) can produce; or what is wrong with it (a string)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         return "its profile states no num_speculative_tokens >= 1"
-    delta = (data.get("counters") or {}).get("delta") if isinstance(data.get("counters"), Mapping) else None
-    if not isinstance(delta, Mapping):
-        return "it has no counter delta"
-    raw_pos = delta.get("num_accepted_tokens_per_pos") or {}
-    if not isinstance(raw_pos, Mapping) or not all(isinstance(p, str) and p.isascii() and p.isdigit() for p in raw_pos):
-        return "its per-position counts are not keyed by draft position"
-    per_pos = {int(p): v for p, v in raw_pos.items()}
-    drafts, draft_tokens, accepted = (delta.get(n) for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
-    problem = count_problem(drafts, draft_tokens, accepted, per_pos, k)
+    counters = data.get("counters")
+    if not isinstance(counters, Mapping):
+        return "it has no counters"
+    sets: dict[str, Counts] = {}
+    for where in ("before", "after", "delta"):
+        got = read_counts(counters.get(where), where)
+        if isinstance(got, str):
+            return got
+        sets[where] = got
+    problem = delta_problem(sets["before"], sets["after"], sets["delta"])
     if problem is not None:
         return problem
+    d = sets["delta"]
+    problem = count_problem(
+        d.values["num_drafts"],
+        d.values["num_draft_tokens"],
+        d.values["num_accepted_tokens"],
+        d.per_position,
+        k,
+        per_position_required(method),
+    )
+    return problem if problem is not None else d
+
+
+def measurement_problem(data: Mapping[str, Any], k: Any = None, method: Any = None) -> str | None:
+    """None when a report's numbers are ones validate can have measured; else what is impossible about them.
+
+    `k` and `method` default to what the report's own profile states (a reader passes the manifest's). The counter
+    delta must be after - before and obey count_problem, and the AL must be the one it gives, exactly: a report
+    re-sealed after an edit (with a valid key, even) still cannot carry an impossible number. Reports that measured
+    nothing (verdict error) carry no numbers.
+    """
+    if data.get("verdict") not in ("pass", "fail"):
+        return None
+    found = data.get("profile")
+    profile: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+    k = profile.get("num_speculative_tokens") if k is None else k
+    method = profile.get("method") if method is None else method
+    got = measured_counts(data, k, method)
+    if isinstance(got, str):
+        return got
     acc = data.get("acceptance")
     al = acc.get("mean_acceptance_length") if isinstance(acc, Mapping) else None
-    assert isinstance(accepted, int | float) and isinstance(drafts, int | float)  # count_problem checked both
-    want = 1.0 + accepted / drafts
-    if not isinstance(al, int | float) or abs(al - want) > 1e-9 * want:
+    want = 1.0 + got.values["num_accepted_tokens"] / got.values["num_drafts"]
+    if isinstance(al, bool) or not isinstance(al, int | float) or al != want:
         return f"its AL {al!r} is not the {want:.6f} its counters give"
     for g in data.get("gates") or []:
         if isinstance(g, Mapping) and g.get("gate") == "min_acceptance_length" and g.get("value") != al:

@@ -6,32 +6,36 @@ metadata files, so a resolver reads a wheel's METADATA without fetching the whee
                                                      `data-core-metadata` / `core-metadata` pointer (PEP 714 names)
     <root>/simple/<project>/<wheel>                  the wheel, immutable once there
     <root>/simple/<project>/<wheel>.metadata         its METADATA (PEP 658), immutable
-    <root>/simple/<project>/<wheel>.publish.json     what let it in: report, profile, AL, binding (PEP 691's
+    <root>/simple/<project>/<wheel>.publish.json     what let it in, one record per publish (report, profile, AL,
+                                                     binding), appended, never overwritten (PEP 691's
                                                      `_vllm_dflash` key of the file's JSON entry carries the same)
+    <root>/.publish.lock                             held (flock) by the publish writing the index
 
 `pip --index-url file://<root>/simple` reads the HTML; a web server that answers
 `Accept: application/vnd.pypi.simple.v1+json` with the `index.json` beside each page serves PEP 691. No library on
 PyPI writes an incremental static index with PEP 658 and 691 (simple503, dumb-pypi and simple-repository-generator
 regenerate whole trees from a package list, HTML first), so it is written here, checked by pip and uv in the tests.
 
-The name and version a wheel is published under come from its own METADATA, which must agree with its file name.
+The name and version a wheel is published under come from its own METADATA, and its machine from its own WHEEL,
+which must agree with its file name (pipeline/wheelfile.inspect_wheel).
 Every check runs before the first byte is written; only real directories are written through (no symlinked
 `simple/` or project directory); a copy is hashed as it is written and must equal the sha256 the caller vouches
 for (the validation report's, SHA256SUMS'), else it is removed and nothing changes.
+
+A publish is a transaction (`LocalIndex.transaction`): it holds the index's lock from its first check to its last
+rename, so concurrent publishes (threads or processes) run one after another and none loses or contradicts
+another's entry; every page is rebuilt from the files there and replaced atomically.
 """
 
 from __future__ import annotations
 
 import contextlib
-import email.parser
-import email.policy
+import fcntl
 import hashlib
 import html
 import json
 import os
-import re
-import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,16 +43,15 @@ from typing import Any
 from vllm_dflash.errors import PublishRefusedError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.paths import storage_error, sweep_stale, temp_sibling
+from vllm_dflash.pipeline.wheelfile import inspect_wheel
 
 JSON_TYPE = "application/vnd.pypi.simple.v1+json"
 API_VERSION = "1.1"
 METADATA_SUFFIX = ".metadata"
 RECORD_SUFFIX = ".publish.json"
+LOCK_NAME = ".publish.lock"
+RECORDS_LIMIT = 16 << 20  # a record is ~500 bytes: tens of thousands of publishes of one file
 _CHUNK = 1 << 20
-
-
-def normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 @dataclass(frozen=True)
@@ -64,43 +67,10 @@ class WheelMeta:
 
 
 def read_wheel_meta(path: Path, filename: str | None = None) -> WheelMeta:
-    """METADATA of the wheel at `path` (published as `filename`, default its own name), whose Name and Version must
-    be the file name's; PublishRefusedError otherwise."""
-    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
-    from packaging.version import InvalidVersion, Version
-
-    hint = "publish the wheel file exactly as it was built (its file name must be its METADATA's name and version)"
-    shown = filename or path.name
-    try:
-        file_name, file_version, _, _ = parse_wheel_filename(shown)
-    except InvalidWheelFilename as exc:
-        raise PublishRefusedError(f"{shown} is not a wheel file name ({exc})", hint) from None
-    try:
-        with zipfile.ZipFile(path) as zf:
-            infos = sorted({n.split("/", 1)[0] for n in zf.namelist() if n.split("/", 1)[0].endswith(".dist-info")})
-            if len(infos) != 1:
-                raise PublishRefusedError(f"{shown} has {len(infos)} .dist-info directories, not one", hint)
-            raw = zf.read(f"{infos[0]}/METADATA")
-    except KeyError:
-        raise PublishRefusedError(f"{shown} has no .dist-info/METADATA", hint) from None
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise PublishRefusedError(f"{shown} is not a readable wheel ({exc})", hint) from None
-    meta = email.parser.BytesParser(policy=email.policy.compat32).parsebytes(raw, headersonly=True)
-    name, version = meta.get("Name"), meta.get("Version")
-    if not name or not version:
-        raise PublishRefusedError(f"{shown}: METADATA lacks Name or Version", hint)
-    try:
-        same_version = Version(str(version)) == file_version
-    except InvalidVersion:
-        raise PublishRefusedError(f"{shown}: METADATA Version {version!r} is not a version", hint) from None
-    if normalize(str(name)) != normalize(str(file_name)) or not same_version:
-        raise PublishRefusedError(
-            f"{shown} is named {file_name} {file_version}, but its METADATA says {name} {version}: "
-            "a renamed wheel would publish under a name it does not have",
-            hint,
-        )
-    rp = meta.get("Requires-Python")
-    return WheelMeta(shown, normalize(str(name)), str(name), str(version), str(rp) if rp else None, raw)
+    """METADATA of the wheel at `path` (published as `filename`, default its own name), whose name, version, machine
+    and interpreter must be the file name's (pipeline/wheelfile.inspect_wheel); PublishRefusedError otherwise."""
+    got = inspect_wheel(path, PublishRefusedError, filename)
+    return WheelMeta(got.filename, got.project, got.name, got.version, got.requires_python, got.metadata)
 
 
 def real_dir(path: Path, what: str) -> None:
@@ -135,6 +105,7 @@ class PlannedWheel:
     meta: WheelMeta
     record: Mapping[str, Any]  # the publish record (report, profile, binding, ...)
     present: bool  # the same file is already published (nothing to copy)
+    earlier: tuple[Mapping[str, Any], ...] = ()  # the records of earlier publishes of the same file, kept
 
 
 @dataclass
@@ -161,6 +132,57 @@ class LocalIndex:
         for d in extra:
             real_dir(d, "index directory")
 
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Hold the index's lock (flock on `<root>/.publish.lock`, which conflicts between threads as between
+        processes) for a whole publish: plan, stage and commit inside it see no other publish half-done. Callers
+        check first without it (a refusal then touches nothing) and again inside it. When the publish inside is
+        refused, the lock file and the root this call created are removed again: the destination is as it was
+        (a waiting publish sees its lock file gone and takes the new one)."""
+        real_dir(self.root, "index directory")
+        lock_path = self.root / LOCK_NAME
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        while True:
+            made_root = made_lock = False
+            try:
+                if not self.root.exists():
+                    self.root.mkdir()
+                    made_root = True
+                try:
+                    fd = os.open(lock_path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+                    made_lock = True
+                except FileExistsError:
+                    fd = os.open(lock_path, flags)
+            except FileNotFoundError:
+                continue  # removed between the two opens: take the next one
+            except FileExistsError:
+                continue  # root made by another publish between the check and the mkdir
+            except OSError as exc:
+                raise storage_error(exc, self.root, "lock the index in") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:  # the file locked must still be the one at its name (a refused publish removes its own)
+                    same = os.stat(lock_path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+            except BaseException:
+                os.close(fd)
+                raise
+            if same:
+                break
+            os.close(fd)
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(OSError):
+                if made_lock:
+                    lock_path.unlink()
+                if made_root:
+                    self.root.rmdir()  # only when empty
+            raise
+        finally:
+            os.close(fd)
+
     def plan(self, source: Path, sha256: str, record: Mapping[str, Any]) -> PlannedWheel:
         """Check `source` (published as the file whose sha256 is `sha256`) against the index; nothing written."""
         meta = read_wheel_meta(source)
@@ -183,7 +205,8 @@ class LocalIndex:
                 present = present or what == "wheel"
         if not present:
             self._refuse_same_version(pdir, source.name, sha256)
-        return PlannedWheel(source, sha256, meta, dict(record), present)
+        earlier = read_records(dest.with_name(dest.name + RECORD_SUFFIX))
+        return PlannedWheel(source, sha256, meta, dict(record), present, earlier)
 
     @staticmethod
     def _refuse_same_version(pdir: Path, filename: str, sha256: str) -> None:
@@ -251,8 +274,9 @@ class LocalIndex:
             for p in staged.planned:
                 dest = self.project_dir(p.meta.project) / p.meta.filename
                 self._write_file(dest.with_name(dest.name + METADATA_SUFFIX), p.meta.metadata)
-                record = json.dumps(dict(p.record), indent=2, sort_keys=True, allow_nan=False) + "\n"
-                self._write_file(dest.with_name(dest.name + RECORD_SUFFIX), record.encode())
+                records = [*p.earlier, dict(p.record)]  # this publish's record after every earlier one
+                text = json.dumps(records, indent=2, sort_keys=True, allow_nan=False) + "\n"
+                self._write_file(dest.with_name(dest.name + RECORD_SUFFIX), text.encode())
                 out.append(dest)
             for d in staged.pdirs:
                 self._project_pages(d.name)
@@ -321,8 +345,8 @@ class LocalIndex:
                 entry["core-metadata"] = entry["dist-info-metadata"] = {"sha256": msha}
             record = f.with_name(f.name + RECORD_SUFFIX)
             if record.is_file():
-                with contextlib.suppress(ValueError):
-                    entry["_vllm_dflash"] = json.loads(record.read_text())
+                with contextlib.suppress(PublishRefusedError):
+                    entry["_vllm_dflash"] = list(read_records(record))
             links.append((f"{f.name}#sha256={sha}", f.name, attrs))
             entries.append(entry)
         doc = {"meta": {"api-version": API_VERSION}, "name": project, "files": entries, "versions": sorted(versions)}
@@ -336,6 +360,28 @@ class LocalIndex:
         )
         doc = {"meta": {"api-version": API_VERSION}, "projects": [{"name": p} for p in projects]}
         self._write_file(self.simple / "index.json", (json.dumps(doc, indent=2) + "\n").encode())
+
+
+def read_records(path: Path) -> tuple[Mapping[str, Any], ...]:
+    """The publish records kept beside a wheel, oldest first (none when there is no file yet). A file holding one
+    record object is an index written before records were appended: that one record. Anything else is not ours to
+    replace: PublishRefusedError."""
+    from vllm_dflash.paths import read_bounded
+    from vllm_dflash.report import loads_strict
+
+    hint = f"move {path} out of the index; publish keeps one record per publish there"
+    if not path.exists() and not path.is_symlink():
+        return ()
+    raw = read_bounded(path, RECORDS_LIMIT, "publish record", PublishRefusedError, hint)
+    try:
+        data = loads_strict(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise PublishRefusedError(f"{path} is not a publish record list ({exc})", hint) from None
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise PublishRefusedError(f"{path} is not a publish record list", hint)
+    return tuple(data)
 
 
 def _page(title: str, links: list[tuple[str, str, dict[str, str]]]) -> str:

@@ -34,8 +34,12 @@ INTERRUPTED = "error: interrupted -- nothing half-written was kept; run the comm
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
+        given = list(sys.argv[1:] if argv is None else argv)
+        if any("\x00" in a for a in given):  # no shell can pass one; a program calling main() might
+            print("error: an argument holds a NUL byte -- pass arguments as plain text", file=sys.stderr)
+            return 2
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args = parser.parse_args(given)
         check_outputs(args)
         code: int = args.func(args)
         return code

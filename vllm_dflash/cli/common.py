@@ -60,4 +60,4 @@ def check_outputs(args: argparse.Namespace) -> None:
         if kind in ("dir", "tree"):
             check_output_dir(Path(value), flag, probe_existing=kind == "dir")
         else:
-            check_output_file(Path(value), flag)
+            check_output_file(Path(value), flag, probe=True)

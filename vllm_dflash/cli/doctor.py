@@ -10,17 +10,21 @@ from typing import Any
 
 from vllm_dflash.cli.common import manifest
 from vllm_dflash.doctor import diagnose as D
-from vllm_dflash.doctor import ours
-from vllm_dflash.doctor.checkpoint import read_checkpoint, read_target
+from vllm_dflash.doctor import ours, table
+from vllm_dflash.doctor.checkpoint import Checkpoint, read_checkpoint, read_json, read_target
 from vllm_dflash.errors import CheckpointError, ManifestError
 from vllm_dflash.paths import write_text_atomic
 
 _EPILOG = """\
-Exit status (one per verdict class): 0 served as trained (this build and stock 0.20.1); 20 served as trained by
-this build, stock 0.20.1 mis-serves it; 21 refused by this build (the line it would print at start-up); 22 not a
-drafter vLLM 0.20.1 can run (DFlash2, learnt mask embedding, attention sinks, ...); 18 the checkpoint cannot be
-read, or its taps lie outside the --target's layers. --prove: 1 when the conformance run does not come out as
-the doctor predicts, 13 when its environments cannot be built.
+Exit status (one per verdict class; the printed verdict and --json carry it): 0 served as trained (this build and
+stock 0.20.1); 20 served as trained by this build, stock 0.20.1 mis-serves it; 21 refused by this build (the line
+it would print at start-up, or transformers' reason when the config cannot load); 22 not a drafter vLLM 0.20.1 can
+run (a field it ignores changes the computation: DFlash2, a learnt mask embedding, attention sinks, ...); 23 served
+as this build reads it, but the config carries fields no build we know reads; 24 not a DFlash drafter (a target
+model, EAGLE, Medusa, MTP); 18 the checkpoint cannot be read, or the target layers it reads lie outside --target's
+layers (only --target decides this; the drafter's own num_target_layers is a note). --prove: 1 when the served
+twin does not do what the doctor claims (each claim is named), 19 when a case cannot run on this machine, 13 when
+its environments cannot be built.
 """
 
 
@@ -67,6 +71,31 @@ def our_code(args: argparse.Namespace) -> ours.OurCode:
         return ours.from_model_file(installed)
 
 
+def diagnosis(args: argparse.Namespace, code: ours.OurCode) -> tuple[Checkpoint, D.Diagnosis]:
+    """The checkpoint PATH names and its diagnosis (against --target when given). A shipped table entry is read as
+    the table reads it: its verdict only when every completion of what no public source gives agrees."""
+    target = read_target(args.target) if args.target is not None else None
+    layers, source, archs = (target.layers, target.source, target.architectures) if target else (None, "", ())
+    if args.path.is_file() and table.is_entry(read_json(args.path, "drafter")):
+        entry = table.load_entry(args.path)
+        pairs = [
+            (ck, D.diagnose(ck, code, layers or entry.target_layers, source, archs))
+            for _, ck in table.completions(entry)
+        ]
+        classes = sorted({d.verdict_class for _, d in pairs})
+        if len(classes) > 1:
+            fields = table.depends_on(entry, code, lambda d: d.verdict_class)
+            raise CheckpointError(
+                f"{args.path}: the verdict depends on {', '.join(fields)}, which no public source gives "
+                f"({' / '.join(classes)})",
+                "pass the checkpoint's own config.json",
+            )
+        print(f"table entry {entry.name}: {len(pairs)} completion(s) of what no public source gives, one verdict")
+        return pairs[0]
+    ck = read_checkpoint(args.path)
+    return ck, D.diagnose(ck, code, layers, source, archs)
+
+
 def run(args: argparse.Namespace) -> int:
     code = our_code(args)
     if args.table:
@@ -76,28 +105,36 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.path is None:
         raise CheckpointError("no checkpoint given", "pass the drafter's config.json or directory (or --table)")
-    ck = read_checkpoint(args.path)
-    target = read_target(args.target) if args.target is not None else None
-    d = D.diagnose(
-        ck,
-        code,
-        target.layers if target else None,
-        target.source if target else "",
-        target.architectures if target else (),
-    )
+    ck, d = diagnosis(args, code)
     print(D.render_text(d))
-    if args.json is not None:
-        write_text_atomic(args.json, d.to_json() + "\n")
     if d.mismatch:
+        _write_json(args, d)
         raise CheckpointError(f"this drafter does not fit this target: {d.mismatch}", "pair it with its own target")
-    if args.prove:
-        from vllm_dflash.cli.common import checkout
-        from vllm_dflash.doctor.prove import prove, render_prove
+    if not args.prove:
+        _write_json(args, d)
+        return d.exit_code
+    exit_code, claims = _prove(args, code, ck, d)
+    _write_json(args, d, exit_code, prove=claims)
+    return exit_code
 
-        co = checkout(args)
-        sys.stdout.flush()
-        result = prove(co.manifest, co.queues, ck, d)
-        render_prove(result)
-        if not result.ok:
-            return 1
-    return d.exit_code
+
+def _write_json(args: argparse.Namespace, d: D.Diagnosis, exit_code: int | None = None, **extra: Any) -> None:
+    """--json: the diagnosis with the exit code the process ends with."""
+    if args.json is not None:
+        write_text_atomic(args.json, d.to_json(exit_code, **extra) + "\n")
+
+
+def _prove(
+    args: argparse.Namespace, code: ours.OurCode, ck: Checkpoint, d: D.Diagnosis
+) -> tuple[int, list[dict[str, Any]]]:
+    """--prove: the twin through conformance. The diagnosis's exit code when every claim held, else 1 (each claim
+    named), 19 when a case cannot run on this machine; and the claims, for --json."""
+    from vllm_dflash.cli.common import checkout
+    from vllm_dflash.doctor.prove import prove, render_prove
+
+    co = checkout(args)
+    sys.stdout.flush()
+    result = prove(co.manifest, co.queues, ck, d, code)
+    render_prove(result)
+    claims = [{"claim": c.what, "holds": c.holds, "expected": c.expected, "got": c.got} for c in result.claims]
+    return (d.exit_code if result.ok else result.exit_code), claims

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -11,6 +12,8 @@ from typing import Any
 from vllm_dflash.cli.common import add_pin_argument, checkout, manifest
 from vllm_dflash.errors import ContainerError, ManifestError
 from vllm_dflash.manifest import MACHINES
+from vllm_dflash.oci import check_image_ref, check_repository
+from vllm_dflash.paths import check_output_dir
 from vllm_dflash.pipeline import image as img
 
 
@@ -45,7 +48,29 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+# Values of --storage-driver, --isolation and --network as podman and buildah spell them (vfs, overlay, chroot,
+# oci, none, host, container:NAME, ns:/path, slirp4netns:opt=v): never a space, never a leading `-`.
+_TOOL_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.,:/=-]*")
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Every option that reaches the container tool, checked before it runs: one line each, never the tool's."""
+    check_repository(args.repo, "--tag", ContainerError)
+    if args.base_image is not None:
+        check_image_ref(args.base_image, "--base-image", ContainerError)
+    for flag, value in (
+        ("--storage-driver", args.storage_driver),
+        ("--isolation", args.isolation),
+        ("--network", args.network),
+    ):
+        if value is not None and not _TOOL_WORD.fullmatch(value):
+            raise ContainerError(f"{flag} {value[:80]!r} is not a value podman or buildah takes", f"e.g. {flag} vfs")
+    if args.storage_root is not None:
+        check_output_dir(args.storage_root, "--storage-root")  # a directory that is, or can be made, ours
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_options(args)
     m = manifest(args)  # the fast target reads everything it labels from the wheel; the full one reads the queue
     wanted = img.machines(args.platform)
     if args.wheel is not None and len(wanted) > 1:

@@ -9,6 +9,7 @@ from typing import Any
 from vllm_dflash.cli.common import add_pin_argument, manifest
 from vllm_dflash.errors import PublishRefusedError
 from vllm_dflash.manifest import MACHINES
+from vllm_dflash.oci import check_image_ref
 from vllm_dflash.paths import local_destination
 from vllm_dflash.publish import publish, publish_release
 
@@ -46,6 +47,9 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.artifact.endswith(".whl") or Path(args.artifact).is_dir():  # an image's --to is a registry reference
         local_destination(args.to, "--to", PublishRefusedError)
+    else:  # both reach the container tool: never an option, a space or an upper-case path
+        check_image_ref(args.artifact, "image", PublishRefusedError)
+        check_image_ref(args.to, "--to", PublishRefusedError)
     m = manifest(args)
     if Path(args.artifact).is_dir():
         if args.report is not None:
@@ -66,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
         f"(report {result.report}, profile {result.profile})",
         flush=True,
     )
+    if result.pushed_digest:
+        repo = args.to.rsplit(":", 1)[0] if ":" in args.to.rsplit("/", 1)[-1] else args.to
+        print(f"pushed {repo}@{result.pushed_digest} (name it so in `release --image`)", flush=True)
     if result.artifact.kind == "wheel" and result.destination.startswith("file:"):
         print(f"install with: pip install --index-url {result.destination} <name>", flush=True)
     return 0

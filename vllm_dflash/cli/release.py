@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from vllm_dflash import report as reports
+from vllm_dflash import urls
 from vllm_dflash.cli.common import add_pin_argument, manifest
 from vllm_dflash.errors import ManifestError
+from vllm_dflash.oci import check_repository
 from vllm_dflash.release import ImageRef, ReleaseOptions, VerifyOptions, make_release, verify
 from vllm_dflash.release.statement import DEFAULT_BUILDER_ID
 
@@ -65,7 +68,8 @@ def _image(spec: str) -> ImageRef:
     ref, _, plat = spec.partition("=")
     repo, sep, digest = ref.partition("@")
     if not sep:
-        raise ManifestError(f"--image {spec} is not REPO@sha256:HEX[=PLATFORM]", "name the image by its digest")
+        raise ManifestError(f"--image {spec[:120]} is not REPO@sha256:HEX[=PLATFORM]", "name the image by its digest")
+    check_repository(repo, "--image", ManifestError)  # the repository a container tool pushes and pulls
     try:
         return ImageRef(repo, digest, plat or None)
     except ValueError as exc:
@@ -84,9 +88,37 @@ def _timestamp(given: str | None) -> dt.datetime | None:
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if not epoch:
         return None
-    if not epoch.isdigit():
-        raise ManifestError(f"SOURCE_DATE_EPOCH={epoch!r} is not a number of seconds", "unset it or fix it")
-    return dt.datetime.fromtimestamp(int(epoch), dt.UTC)
+    if not (epoch.isascii() and epoch.isdigit()) or len(epoch) > 12:  # 12 digits: beyond year 30000
+        raise ManifestError(f"SOURCE_DATE_EPOCH={epoch[:40]!r} is not a number of seconds", "unset it or fix it")
+    try:
+        return dt.datetime.fromtimestamp(int(epoch), dt.UTC)
+    except (OverflowError, OSError, ValueError):
+        raise ManifestError(f"SOURCE_DATE_EPOCH={epoch} is beyond any date", "unset it or fix it") from None
+
+
+# SLSA's builder.id is a URI: a scheme, then printable ASCII without spaces (urn:..., https://ci.example.com/...).
+_BUILDER_ID = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[!-~]{1,2000}")
+
+
+def _builder_id(value: str) -> str:
+    if not _BUILDER_ID.fullmatch(value):
+        raise ManifestError(
+            f"--builder-id {value[:120]!r} is not a URI (a scheme, then no spaces or control characters)",
+            f"write e.g. {DEFAULT_BUILDER_ID} or https://ci.example.com/runners/1",
+        )
+    return value
+
+
+def _index_url(value: str | None) -> str | None:
+    if value is None:
+        return None
+    parsed = urls.split(value, "--index-url", ManifestError, "https://pypi.example.com/simple/")
+    if parsed.scheme not in ("http", "https", "file") or parsed.password is not None:
+        raise ManifestError(
+            f"--index-url {urls.redact(value)[:120]} is not an http(s):// or file:// URL without a password",
+            "name the index users install from",
+        )
+    return value
 
 
 def run_release(args: argparse.Namespace) -> int:
@@ -104,9 +136,9 @@ def run_release(args: argparse.Namespace) -> int:
         reports=tuple(args.report),
         report_key=reports.key_from_env(),
         images=tuple(_image(s) for s in args.image),
-        builder_id=args.builder_id,
+        builder_id=_builder_id(args.builder_id),
         timestamp=_timestamp(args.sbom_timestamp),
-        index_url=args.index_url,
+        index_url=_index_url(args.index_url),
         link=not args.copy,
     )
     rel = make_release(m, wheels, (args.out or m.dist_dir / "release").resolve(), options)
@@ -119,7 +151,10 @@ def run_verify(args: argparse.Namespace) -> int:
     result = verify(
         args.path.resolve(),
         VerifyOptions(
-            public_keys=tuple(args.key), require_signature=args.require_signature, report_key=reports.key_from_env()
+            public_keys=tuple(args.key),
+            require_signature=args.require_signature,
+            report_key=reports.key_from_env(),
+            profiles=manifest(args).profiles,  # attached reports are judged under the manifest's profiles
         ),
     )
     print(result.summary())

@@ -11,6 +11,8 @@ from typing import Any
 from vllm_dflash.cli.common import add_pin_argument, checkout, manifest
 from vllm_dflash.errors import ManifestError, MeasurementError
 from vllm_dflash.manifest import Profile, load_profile_file
+from vllm_dflash.oci import check_image_ref
+from vllm_dflash.paths import check_output_file
 from vllm_dflash.validate.server import check_url
 from vllm_dflash.validate.smoke import ServerChoice, load_prompts, validate
 
@@ -85,15 +87,17 @@ def run(args: argparse.Namespace) -> int:
     if args.profile not in profiles:
         raise ManifestError(f"no profile '{args.profile}'", f"choose one of {sorted(profiles)}")
     profile = profiles[args.profile]
-    for flag, url in (("--endpoint", args.endpoint), ("--baseline-endpoint", args.baseline_endpoint)):
-        if url is not None:
-            check_url(url, flag)
+    for attr, flag in (("endpoint", "--endpoint"), ("baseline_endpoint", "--baseline-endpoint")):
+        if getattr(args, attr) is not None:
+            url, note = check_url(getattr(args, attr), flag)
+            if note:
+                print(f"note: {note}", file=sys.stderr)
+            setattr(args, attr, url)
+    if args.image is not None:
+        check_image_ref(args.image, "--image", MeasurementError)
     report_path = args.report or Path(f"validation-{profile.name}.json")
-    if report_path.is_symlink() or (report_path.exists() and not report_path.is_file()):
-        raise MeasurementError(
-            f"--report {report_path} is not a regular file (a directory, link, FIFO or device)",
-            "name a new file or an earlier report to replace",
-        )
+    # Before anything runs (the measurement may take an hour): a place the report can be written.
+    check_output_file(report_path, "--report", probe=True)
     if args.wheel is not None:
         if not args.wheel.is_file():
             raise MeasurementError(f"--wheel {args.wheel} does not exist", "pass the wheel file the server runs")

@@ -123,6 +123,11 @@ class CaseSpec:
     dtype: str = "float32"  # vLLM's dtype on CPU (the oracle always runs fp32)
     requires_cpu_flag: str = ""  # skipped, with the reason, on a CPU whose /proc/cpuinfo lacks this flag
     drafter_heads: tuple[int, int] | None = None  # the drafter's (attention, KV) heads; default those of the target
+    # ---- how config.json spells the layer kinds (added; SPELLING_FIELDS, in the digest only when set) ----
+    # "explicit": layer_types written out; "filled": no layer_types, use_sliding_window true and max_window_layers, so
+    # transformers fills them (sliding from index max_window_layers on; `layer_types` is then what it fills in).
+    layer_types_spelling: str = "explicit"
+    max_window_layers: int = 0
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -200,18 +205,24 @@ class CaseSpec:
         defaults = CaseSpec.__dataclass_fields__
         return {f: getattr(self, f) for f in SERVING_FIELDS if getattr(self, f) != defaults[f].default}
 
+    def _spelling_changes(self) -> dict[str, Any]:
+        defaults = CaseSpec.__dataclass_fields__
+        return {f: getattr(self, f) for f in SPELLING_FIELDS if getattr(self, f) != defaults[f].default}
+
     def digest(self) -> str:
         """Hash of everything that determines the saved models and the run: the spec, the generator version and
         case.json's field names (a cached directory whose case.json lacks a field the side processes now read is
         never reused). Serving fields enter only when set, so adding one does not move the other cases' digests."""
-        spec = {k: v for k, v in asdict(self).items() if k not in SERVING_FIELDS}
+        spec = {k: v for k, v in asdict(self).items() if k not in SERVING_FIELDS and k not in SPELLING_FIELDS}
         spec.update(self._serving_changes())
+        spec.update(self._spelling_changes())
         blob = json.dumps(
             {"spec": spec, "generator": GENERATOR_VERSION, "case_file": case_file_fields()}, sort_keys=True
         ).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
 
+SPELLING_FIELDS: tuple[str, ...] = ("layer_types_spelling", "max_window_layers")
 SERVING_FIELDS: tuple[str, ...] = (
     "batched",
     "max_num_seqs",

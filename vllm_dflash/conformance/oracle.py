@@ -355,6 +355,41 @@ def token_deficits(logits: Any, prompt_len: int, output: Sequence[int]) -> tuple
     return [float(x) for x in top[:, 0] - chosen], [float(g) for g in top[:, 0] - top[:, 1]]
 
 
+def proposal_kind(prompt_len: int, seq_len: int, start: int) -> str:
+    """What a proposal starting at `start` is to vLLM, for a request of `prompt_len` prompt tokens whose final
+    sequence (prompt + output) has `seq_len`: `prefill` (drafted mid-prefill, discarded), `beyond-output` (from a
+    bonus token max_tokens cut off), `cut-off` (drafted in the last step, never verified) or `verified` (counted
+    in vLLM's num_drafts)."""
+    if start < prompt_len:
+        return "prefill"
+    if start >= seq_len:
+        return "beyond-output"
+    return "cut-off" if start >= seq_len - 1 else "verified"
+
+
+def _beyond_output_problem(
+    rec: dict[str, Any], start: int, seq_len: int, k: int, mask: int, max_tokens: int, out_len: int
+) -> str:
+    """What is wrong with a line drafted beyond the output ("" when nothing): its request must have been cut off
+    by max_tokens, the start within one verification step (k + 1 tokens) of the output's end, the block k mask
+    tokens at consecutive positions, and the proposer's draft ids present."""
+    block_ids = [int(t) for t in rec.get("block_input_ids") or []]
+    block_pos = [int(t) for t in rec.get("block_positions") or []]
+    problems = []
+    if out_len != max_tokens:
+        problems.append(f"drafted beyond an output of {out_len} tokens that max_tokens ({max_tokens}) did not cut")
+    if not seq_len <= start <= seq_len + k:
+        problems.append(f"starts {start - seq_len} tokens past the output's end (more than one step of {k + 1})")
+    if block_pos != list(range(start, start + k + 1)):
+        problems.append(f"block positions {block_pos[:3]}... are not {start}..{start + k}")
+    if block_ids[1:] != [mask] * k:
+        problems.append(f"block tokens after the bonus are not {k} mask tokens ({mask})")
+    draft = rec.get("draft_ids")
+    if not isinstance(draft, list) or len(draft) != k:
+        problems.append("no draft ids from the proposer's output")
+    return "; ".join(problems)
+
+
 def evaluate(
     oracle: ReferenceOracle,
     trace: Path,
@@ -382,11 +417,28 @@ def evaluate(
     forwards: dict[int, tuple[list[Any], Any]] = {}
     m.prefill_starts = [[] for _ in request_prompts]
     m.prompt_lengths = [len(case.prompts[i]) for i in request_prompts]
+    kinds = {"verified": 0, "prefill": 0, "cut-off": 0, "beyond-output": 0}
     for i, rec in enumerate(steps):
         req, ctx, start, ids = int(rec["request"]), int(rec["context_len"]), int(rec["block_start"]), rec["token_ids"]
         kind = str(rec.get("kind", "verified"))
         prompt = case.prompts[request_prompts[req]] if req < len(request_prompts) else []
         full = prompt + (outputs[req] if req < len(outputs) else [])
+        # The kind from the line's start against the case's prompt and vLLM's output, not the driver's word for it.
+        want_kind = proposal_kind(len(prompt), len(full), start)
+        if want_kind != kind:
+            m.trace_consistent = False
+            m.trace_problems.append(f"step {i} (request {req}, start {start}): recorded as {kind}, is {want_kind}")
+            continue
+        if kind == "beyond-output":
+            problem = _beyond_output_problem(
+                rec, start, len(full), oracle.k, mask, case.max_tokens, len(full) - len(prompt)
+            )
+            if problem:
+                m.trace_consistent = False
+                m.trace_problems.append(f"step {i} (request {req}, start {start}): {problem}")
+            else:
+                kinds[kind] += 1
+            continue
         # The block as the recorder saw vLLM's drafter input, against what the recorder did not build: the case's
         # prompt, vLLM's RequestOutput and the drafter's mask token.
         block_ids = [int(t) for t in rec.get("block_input_ids") or []]
@@ -419,6 +471,7 @@ def evaluate(
             continue
         draft = [int(t) for t in draft or []]
         got_ids = torch.tensor(draft)
+        kinds[kind] += 1
         if kind == "prefill":
             m.prefill_starts[req].append(start)
         if kind == "verified":
@@ -462,8 +515,14 @@ def evaluate(
             m.lossless = False
     m.requests = len(request_prompts)
     m.accepted_from_drafts = [accepted_lo, accepted_hi]
-    m.num_proposals_recorded = int(summary.get("num_proposals_recorded", m.steps))
-    m.proposals_by_kind = dict(summary.get("proposals_by_kind") or {})
+    # Proposals as the lines this oracle checked count them (a line that failed its check counts for nothing and
+    # makes the trace inconsistent); the driver's own tally must agree with them.
+    m.num_proposals_recorded = sum(kinds.values())
+    m.proposals_by_kind = kinds
+    tally = summary.get("num_proposals_recorded")
+    if tally is not None and int(tally) != len(steps):
+        m.trace_consistent = False
+        m.trace_problems.append(f"the driver counted {tally} proposals, the trace holds {len(steps)} lines")
     m.prefix_cache_hits = int(summary.get("prefix_cache_hits", 0))
     m.prefix_cache_hits_by_round = [int(x) for x in summary.get("prefix_cache_hits_by_round") or []]
     m.dtype = str(summary.get("dtype", "float32"))

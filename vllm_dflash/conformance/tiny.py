@@ -149,14 +149,15 @@ def drafter_config(spec: C.CaseSpec) -> Any:
     common = _common_config()
     if spec.drafter_heads is not None:
         common["num_attention_heads"], common["num_key_value_heads"] = spec.drafter_heads
+    filled = spec.layer_types_spelling == "filled"  # transformers fills layer_types from max_window_layers
     return Qwen3Config(
         **common,
         num_hidden_layers=len(spec.layer_types),
-        layer_types=list(spec.layer_types),
+        layer_types=None if filled else list(spec.layer_types),
         # transformers drops sliding_window unless use_sliding_window is set; the reference reads it from here.
         use_sliding_window=keep_window,
         sliding_window=spec.sliding_window if keep_window else None,
-        max_window_layers=0,
+        max_window_layers=spec.max_window_layers if filled else 0,
         architectures=["DFlashDraftModel"],
         num_target_layers=spec.target_layers,
         dflash_config=dflash,
@@ -166,6 +167,8 @@ def drafter_config(spec: C.CaseSpec) -> Any:
 
 def _spell_config(spec: C.CaseSpec, out: Path, cfg: dict[str, Any]) -> None:
     """Rewrite the saved config.json into the case's spelling (what a checkpoint written that way contains)."""
+    if spec.layer_types_spelling == "filled":
+        cfg.pop("layer_types", None)  # saved as transformers filled it: the checkpoint leaves it to transformers
     if spec.window_spelling == "dropped":
         cfg.pop("use_sliding_window", None)
         cfg["sliding_window"] = spec.sliding_window

@@ -12,7 +12,8 @@ size, tensor_parallel_size). It generates each prompt on its own, or all of them
 times. The recorder writes one line per request block of every proposal step; `assign_blocks` maps each block to
 its request by prompt and checks it against the block's positions and bonus token, refusing an ambiguous mapping.
 One JSON line per proposal:
-    {"request", "prompt_index", "step", "kind" (verified | prefill | cut-off), "token_ids" (the request's sequence
+    {"request", "prompt_index", "step", "kind" (verified | prefill | cut-off | beyond-output: drafted from a bonus
+     token max_tokens cut off, no logits to recompute), "token_ids" (the request's sequence
      before the block, from the case and vLLM's RequestOutput, plus the block's bonus token), "context_len",
      "block_start", "block_input_ids", "block_positions" (the drafter's input as recorded), "logits" (k rows x
      vocab), "draft_ids" (k, what vLLM proposed)}
@@ -169,10 +170,22 @@ def _spec_metrics(llm: Any) -> dict[str, Any]:
     return out
 
 
-def _read_records(path: Path) -> list[dict[str, Any]]:
+def _read_lines(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    """The recorder's proposal lines (its layout line, what the loaded drafter attends with, is read apart)."""
+    return [r for r in _read_lines(path) if "layout" not in r]
+
+
+def _read_layout(path: Path) -> dict[str, Any] | None:
+    return next((r["layout"] for r in _read_lines(path) if "layout" in r), None)
+
+
+ATTENTION_LINE = "DFlash drafter attention:"  # what this build logs per drafter layer at start-up (patch 0002)
 
 
 def prompt_sha(ids: list[int]) -> str:
@@ -354,15 +367,21 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
         llm_kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     if case.get("refusal"):
         return check_refusal(case_dir, out_path, llm_kwargs, case["refusal"])
-    with _captured_output() as init_lines:  # a worker process's own error reaches the log only
-        try:
-            llm = LLM(**llm_kwargs)
-        except Exception as exc:  # a build that does not support this drafter refuses (vLLM 0.25: mixed, V1)
-            refusal: Exception | None = exc
+    startup: list[str] = []
+    refusal: Exception | None = None
+    try:
+        if int(case.get("tensor_parallel_size", 1)) == 1:
+            # The start-up log, for this build's line per drafter layer and a refusal's own error line. Not under
+            # tensor parallelism: worker processes started inside the capture would keep writing into it after it ends.
+            with _captured_output() as startup:
+                llm = LLM(**llm_kwargs)
         else:
-            refusal = None
+            llm = LLM(**llm_kwargs)
+    except Exception as exc:  # a build that does not support this drafter refuses to start (vLLM 0.25: mixed, V1)
+        refusal = exc
     if refusal is not None:
-        return record_start_refusal(case_dir, out_path, refusal, init_lines)
+        return record_start_refusal(case_dir, out_path, refusal, startup)
+    attention_line = next((line for line in startup if ATTENTION_LINE in line), None)
     t_init = time.perf_counter() - t0
     params = SamplingParams(
         temperature=0.0, max_tokens=int(case["max_tokens"]), ignore_eos=bool(case.get("ignore_eos", True))
@@ -400,11 +419,9 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
         start = int(rec["block_positions"][0])
         step = steps_of.get(req.index, 0)
         steps_of[req.index] = step + 1
-        kind = proposal_kind(req, start)
-        if start >= len(req.seq):
-            # Drafted from a bonus token that max_tokens cut off: no context to recompute it from but the output.
-            kinds["beyond-output"] += 1
-            continue
+        # Drafted from a bonus token that max_tokens cut off: no context to recompute its logits from, but a line
+        # all the same, so the oracle counts every proposal from the lines it checked, never from this tally.
+        kind = "beyond-output" if start >= len(req.seq) else proposal_kind(req, start)
         kinds[kind] += 1
         lines.append(
             json.dumps(
@@ -433,6 +450,10 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
         "request_prompts": [r.prompt_index for r in requests],
         **metrics,
         "num_proposals_recorded": len(assigned),
+        # What the served drafter attends with: the start-up line (this build), and each layer's backend window and
+        # the target layers recorded for it, read from the loaded models (doctor --prove checks its claims on these).
+        "attention_line": attention_line[attention_line.index(ATTENTION_LINE) :] if attention_line else None,
+        "layout": _read_layout(record_file),
         "proposals_beyond_output": kinds["beyond-output"],
         "proposals_by_kind": kinds,
         "prefix_cache_hits_by_round": hits_after_round,

@@ -8,6 +8,7 @@ names the snapshot). Never downloads; reads only safetensors headers, never the 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,12 +41,12 @@ _WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".npy", ".npz", ".ckpt")
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """What the doctor knows of one drafter. `config` is the config.json as written (for a speculators-format
-    checkpoint: its transformer part, with the DFlash ids in DFlash's convention, see `speculators`)."""
+    """What the doctor knows of one drafter. `config` is the config.json as written (a speculators-format one too:
+    each build's reading of that format is its own, rules.py)."""
 
     name: str
     config: Mapping[str, Any]
-    files: tuple[str, ...] = ()  # file names beside config.json
+    files: tuple[str, ...] = ()  # weight files beside config.json that no build loads by default
     tensors: tuple[str, ...] | None = None  # weight names (None: not known, e.g. a table entry without weights)
     speculators: bool = False  # speculators format (aux_hidden_state_layer_ids in vLLM's indexing)
     sources: Mapping[str, str] = field(default_factory=dict)  # table entries: where each field comes from
@@ -85,16 +86,34 @@ def resolve_dir(path: Path) -> Path:
 CONFIG_LIMIT = 16 << 20  # a config.json or a safetensors index is kilobytes; a 16 MiB one is no config
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _strict_json(raw: bytes) -> Any:
+    """JSON with finite numbers only (`1e999`, NaN and Infinity refused: no layer count is infinite)."""
+    return json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
+
+
 def read_json(path: Path, what: str) -> dict[str, Any]:
     from vllm_dflash.paths import read_bounded
 
     try:
-        data = json.loads(read_bounded(path, CONFIG_LIMIT, f"{what} config", CheckpointError))
+        data = _strict_json(read_bounded(path, CONFIG_LIMIT, f"{what} config", CheckpointError))
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist", f"check the {what} path") from None
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}", f"check the {what} path") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except RecursionError:
+        raise CheckpointError(f"{path} nests deeper than any config", f"pass the {what}'s config.json") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, a non-finite number, a 5000-digit integer
         raise CheckpointError(f"{path} is not JSON ({exc})", f"pass the {what}'s config.json") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} is not a JSON object", f"pass the {what}'s config.json")
@@ -111,7 +130,7 @@ def _safetensors_names(path: Path) -> list[str]:
             return []
         try:
             header = json.loads(f.read(size))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # not a safetensors header: no names to read
             return []
     return [k for k in header if k != "__metadata__"] if isinstance(header, dict) else []
 
@@ -127,36 +146,17 @@ def _tensor_names(d: Path) -> tuple[str, ...] | None:
     return tuple(sorted(n for s in shards for n in _safetensors_names(s)))
 
 
-def from_speculators(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """A speculators-format config as the drafter's own config: the transformer part, with the DFlash ids back in
-    DFlash's convention (aux index k = output of target layer k - 1) and the architecture kept."""
-    layer = dict(raw.get("transformer_layer_config") or {})
-    dflash = dict(layer.get("dflash_config") or {})
-    aux = raw.get("aux_hidden_state_layer_ids")
-    if aux is not None:
-        dflash["target_layer_ids"] = [int(i) - 1 for i in aux]
-    if raw.get("mask_token_id") is not None:
-        dflash.setdefault("mask_token_id", raw["mask_token_id"])
-    layer["dflash_config"] = dflash
-    layer["architectures"] = raw.get("architectures") or layer.get("architectures")
-    return layer
-
-
 def read_checkpoint(path: Path) -> Checkpoint:
     d = resolve_dir(path)
     config_path = path if path.is_file() else d / CONFIG
     raw = read_json(config_path, "drafter")
-    if {"name", "config", "sources"} <= set(raw) and isinstance(raw["config"], dict):
-        raw = raw["config"]  # an entry of the shipped table (doctor/checkpoints/): the config it reconstructs
-    speculators = "speculators_model_type" in raw
-    config = from_speculators(raw) if speculators else raw
     files = tuple(sorted(p.name for p in d.iterdir() if p.is_file() or p.is_symlink())) if path.is_dir() else ()
     return Checkpoint(
         name=str(path),
-        config=config,
-        files=files,
+        config=raw,
+        files=tuple(extra_weight_files(files)),
         tensors=_tensor_names(d) if path.is_dir() else None,
-        speculators=speculators,
+        speculators="speculators_model_type" in raw,
     )
 
 
@@ -185,10 +185,15 @@ def read_target(path: Path) -> Target:
     Gemma 4)."""
     d = resolve_dir(path)
     config_path = path if path.is_file() else d / CONFIG
-    raw = read_json(config_path, "target")
-    text: dict[str, Any] = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+    return target_from_config(read_json(config_path, "target"), str(config_path))
+
+
+def target_from_config(raw: Mapping[str, Any], where: str) -> Target:
+    text: Mapping[str, Any] = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
     layers = text.get("num_hidden_layers", raw.get("num_hidden_layers"))
-    if not isinstance(layers, int) or layers <= 0:
-        raise CheckpointError(f"{config_path} gives no num_hidden_layers", "pass the target model's config.json")
-    where = "text_config.num_hidden_layers" if text is not raw else "num_hidden_layers"
-    return Target(layers, tuple(str(a) for a in raw.get("architectures") or ()), f"{where} in {config_path}")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers <= 0:
+        raise CheckpointError(f"{where} gives no num_hidden_layers", "pass the target model's config.json")
+    arch = raw.get("architectures")
+    archs = tuple(str(a) for a in arch) if isinstance(arch, list) else ()
+    src = "text_config.num_hidden_layers" if text is not raw else "num_hidden_layers"
+    return Target(layers, archs, f"{src} in {where}")

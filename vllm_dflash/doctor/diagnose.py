@@ -1,10 +1,12 @@
-"""The doctor's document: per drafter layer what each build does, the taps, what this build ignores, one verdict.
+"""The doctor's document: per drafter layer what each build does, the target layers read, what this build ignores,
+one verdict (with its exit code) and what to do.
 
-    diagnose(checkpoint, our_code, target_layers=None, target_source="") -> Diagnosis
+    diagnose(checkpoint, our_code, target_layers=None, target_from="", target_architectures=()) -> Diagnosis
 
-This build's column is patch 0002's own resolution run on the config vLLM would load (ours.py); the other columns
-are the rules of rules.py. The verdict compares this build with stock 0.20.1 (this build's reading is the trained
-semantics: README, "Drafter config fields").
+This build's column is patch 0002's own resolution run on the config vLLM loads (ours.py, rules.ours); the other
+columns are rules.py, held against the real code by the differential test. The verdict compares this build with
+stock 0.20.1 (this build's reading is the trained semantics: README, "Drafter config fields"); what a field does is
+fields.py's table.
 """
 
 from __future__ import annotations
@@ -14,49 +16,31 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vllm_dflash.doctor import fields as F
 from vllm_dflash.doctor import rules
-from vllm_dflash.doctor.checkpoint import Checkpoint, extra_weight_files
+from vllm_dflash.doctor.checkpoint import Checkpoint
+from vllm_dflash.doctor.loading import OURS, REFERENCE, STOCK, UPSTREAM
 from vllm_dflash.doctor.ours import OurCode
 
-# Verdict classes and their exit codes (README, "When something goes wrong"). 0 and 20 both mean: this build serves
-# the drafter as trained; 20 adds that stock 0.20.1 does not.
+# Verdict classes and their exit codes (README, "Check a drafter before you deploy"). 0 and 20 both mean: this build
+# serves the drafter as trained; 20 adds that stock 0.20.1 does not.
 SERVED = "served as trained"
 STOCK_MISSERVES = "stock mis-serves it"
 REFUSED = "refused by our build"
 NOT_RUNNABLE = "not a drafter 0.20.1 can run"
-VERDICT_EXIT = {SERVED: 0, STOCK_MISSERVES: 20, REFUSED: 21, NOT_RUNNABLE: 22}
-
-BUILDS = ("stock 0.20.1", "this build", "upstream 0.33", "reference 0.1.0")
-
-# dflash_config keys this build (patch 0002 + stock code it keeps) reads; block_size is advice for
-# --num-speculative-tokens (k = block_size - 1), which the operator sets.
-READ_DFLASH_KEYS = {
-    "target_layer_ids",
-    "mask_token_id",
-    "use_aux_hidden_state",
-    "use_swa",
-    "swa_window_size",
-    "causal",
-    "block_size",
-}
-# Fields that change what the drafter computes and that vLLM 0.20.1 has no code for: (where, key) -> why, and the
-# upstream release or PR that runs it.
-FEATURES: dict[str, tuple[str, str]] = {
-    "attention_sink_bias": ("attention sinks (dflash_config.attention_sink_bias)", "vLLM 0.33.0 (sinks on SWA layers)"),
-    "add_swa_attention_sink_bias": ("attention sinks (add_swa_attention_sink_bias)", "vLLM 0.33.0"),
-    "conv_kernel_size": ("DFlash2's grouped dynamic convolution", "vLLM >= 0.28 V2 runner (#52816)"),
-    "conv_group_size": ("DFlash2's grouped dynamic convolution", "vLLM >= 0.28 V2 runner (#52816)"),
-    "selector_rank": ("DFlash2's candidate selector", "vLLM >= 0.28 V2 runner (#52816)"),
-    "selector_top_k": ("DFlash2's candidate selector", "vLLM >= 0.28 V2 runner (#52816)"),
-    "final_logit_softcapping": ("logit soft-capping", "the dflash reference / vLLM V2 DFlash2 (#52816)"),
-    "output_multiplier": ("an output multiplier on the drafter's hidden state", "vLLM V2 DFlash2 (#52816)"),
-    "input_embedding_scale": ("an input embedding scale", "the dflash 0.1.0 reference"),
-}
-_WEIGHT_FEATURES = (
-    ("mask_embedding", "a learnt mask embedding", "vLLM 0.33.0 (separate mask embedding, MiMo)"),
-    ("attention_sink", "attention sinks", "vLLM 0.33.0"),
-    ("candidate_selector", "DFlash2's candidate selector", "vLLM >= 0.28 V2 runner (#52816)"),
-    ("attention_conv", "DFlash2's grouped dynamic convolution", "vLLM >= 0.28 V2 runner (#52816)"),
+UNREAD = "served as this build reads it"
+NOT_DFLASH = "not a DFlash drafter"
+MISFIT = "does not fit this target"
+EXIT_CODES = {SERVED: 0, STOCK_MISSERVES: 20, REFUSED: 21, NOT_RUNNABLE: 22, UNREAD: 23, NOT_DFLASH: 24, MISFIT: 18}
+VERDICT_EXIT = EXIT_CODES
+BUILDS = rules.BUILDS
+INSTALL = (
+    "install this build's wheel (vllm-dflash build; pip install --no-deps dist/vllm-0.20.1+dflash.*.whl) over your "
+    "vLLM 0.20.1"
+)
+FLASH_ATTN = (
+    "on CUDA its windowed layers need the FLASH_ATTN attention backend (--attention-backend FLASH_ATTN); this build "
+    "checks that at start-up and refuses any other backend with one line"
 )
 
 
@@ -75,11 +59,15 @@ class LayerRow:
 
 @dataclass(frozen=True)
 class Taps:
-    dflash_ids: list[int] | None
+    """Which target layers' outputs the drafter reads, per build (vLLM records "aux" index k = the input of target
+    layer k = the output of layer k - 1; a DFlash target_layer_ids entry L names the output of layer L)."""
+
+    dflash_ids: list[int] | None  # what the checkpoint asks for, as output-of-layer ids
     ids_from: str
-    ours_aux: list[int] | None  # vLLM aux indices (input of layer k = output of layer k - 1)
-    stock_aux: list[int] | None
-    reference_layers: list[int] | None  # output of target layer L
+    ours_aux: list[Any] | None
+    stock_aux: list[Any] | None
+    upstream_aux: list[Any] | None
+    reference_layers: list[Any] | None  # output of target layer L
     target_layers: int | None
     target_from: str
     problems: list[str] = field(default_factory=list)
@@ -89,131 +77,157 @@ class Taps:
 class Diagnosis:
     checkpoint: str
     architecture: str
-    num_layers: int
+    drafter: str  # "DFlash drafter", or what else the config is
+    num_layers: int | None
     block_size: int | None
     resolution_source: str
     rows: list[LayerRow]
     refusals: dict[str, str]  # build -> the line it prints (builds that do not serve it)
     upstream_runner: str
     taps: Taps
-    ignored: list[str]
-    not_runnable: list[str]  # features 0.20.1 cannot run, each with who can
+    ignored: list[str]  # fields this build ignores, with what they are
+    unknown_fields: list[str]  # fields in no table
+    not_runnable: list[str]  # what 0.20.1 cannot run, each with who can
     verdict_class: str
     verdict: str
-    stock_wrong: dict[str, list[int]]  # "taps" / "windows" / "causality" -> layers (taps: tap positions)
+    stock_wrong: dict[str, list[int]]  # "taps" (positions) / "windows" / "causality" (layers)
+    stock_words: list[str]  # what stock 0.20.1 does, in plain terms
+    advice: list[str]  # what to do
 
     @property
     def exit_code(self) -> int:
-        return VERDICT_EXIT[self.verdict_class]
+        return EXIT_CODES[self.verdict_class]
 
     @property
     def mismatch(self) -> str:
-        """A drafter/target mismatch (taps beyond the target's layers): no build can serve this pair."""
-        return next((p for p in self.taps.problems if "outside" in p), "")
+        """A drafter/target mismatch (taps beyond --target's layers): no build can serve this pair."""
+        return next((p for p in self.taps.problems if "outside" in p), "") if self.verdict_class == MISFIT else ""
 
-    def to_json(self) -> str:
-        return json.dumps({**asdict(self), "exit_code": self.exit_code}, indent=1)
+    def to_json(self, exit_code: int | None = None, **extra: Any) -> str:
+        """The document; `exit_code` when the process ends with another one (--prove), `extra` beside it."""
+        code = self.exit_code if exit_code is None else exit_code
+        return json.dumps({**asdict(self), **extra, "exit_code": code}, indent=1)
 
 
-def _rows(build: str, layers: list[rules.Layer]) -> list[LayerRow]:
+def _rows(build: str, layers: tuple[rules.Layer, ...], raw: Mapping[str, Any]) -> list[LayerRow]:
     return [
-        LayerRow(i, build, x.kind, x.kind_from, x.window, x.window_from, x.causal, x.causal_from, x.backend_window)
+        LayerRow(
+            i,
+            build,
+            x.kind,
+            _attributed(x.kind_from, raw),
+            x.window,
+            x.window_from,
+            x.causal,
+            _attributed(x.causal_from, raw),
+            x.backend_window,
+        )
         for i, x in enumerate(layers)
     ]
 
 
-def _ours(code: OurCode, raw: Mapping[str, Any]) -> list[rules.Layer] | rules.Refusal:
-    cfg = rules.loaded_config(raw)
-    dflash = dict(cfg.dflash_config or {})
-    try:
-        resolved = code.resolve(cfg, lambda: raw)
-    except ValueError as exc:
-        return rules.Refusal(str(exc), code.source)
-    refusal = code.check_ids(cfg, {**dict(getattr(cfg, "eagle_config", None) or {}), **dflash})
-    if refusal:
-        return rules.Refusal(refusal, code.source)
-    return [rules.Layer(x.kind, x.window, x.causal, x.kind_from, x.window_from, x.causal_from) for x in resolved]
+def _attributed(source: str, raw: Mapping[str, Any]) -> str:
+    """A field the code names as its source, said as config.json has it: without layer_types in the file, the kinds
+    it reads are the ones transformers filled in (from use_sliding_window and max_window_layers), none declared."""
+    layer = raw.get("transformer_layer_config") if "speculators_model_type" in raw else raw
+    if not isinstance(layer, Mapping) or layer.get("layer_types") is not None:
+        return source
+    if source.startswith("layer_types["):
+        return f"{source}, filled by transformers"
+    return source.replace("a declared ", "a ").replace("default for a ", "default for a transformers-filled ")
 
 
-def _features(ck: Checkpoint) -> tuple[list[str], list[str]]:
-    """(ignored, not_runnable): what the checkpoint carries that this build does not read, and of that what
-    changes the computation (so 0.20.1 cannot serve the drafter as trained)."""
-    raw = ck.config
-    dflash = raw.get("dflash_config") or {}
-    ignored: list[str] = []
-    blocking: list[str] = []
-    for key in sorted(dflash):
-        if key in READ_DFLASH_KEYS:
-            continue
-        if key in FEATURES and dflash[key] not in (False, None, 0, 1.0):
-            what, who = FEATURES[key]
-            blocking.append(f"{what}: {who}")
-            ignored.append(f"dflash_config.{key} = {json.dumps(dflash[key])} ({what}; ignored by this build)")
-        else:
-            ignored.append(f"dflash_config.{key} = {json.dumps(dflash[key])} (unknown to this build; ignored)")
-    for key in sorted(k for k in FEATURES if k in raw):
-        if raw[key] not in (False, None, 0, 1.0):
-            what, who = FEATURES[key]
-            blocking.append(f"{what}: {who}")
-            ignored.append(f"{key} = {json.dumps(raw[key])} ({what}; ignored by this build)")
-    for name in extra_weight_files(ck.files):
-        hit = next((w for w in _WEIGHT_FEATURES if w[0] in name), None)
-        ignored.append(f"file {name} (never loaded by this build)")
-        if hit:
-            blocking.append(f"{hit[1]} ({name}): {hit[2]}")
-        else:
-            blocking.append(f"extra weights {name}, meaning unknown: none known")
-    for prefix, what, who in _WEIGHT_FEATURES:
-        names = [t for t in ck.tensors or () if prefix in t]
-        if names:
-            ignored.append(f"{len(names)} weight(s) {names[0]}{', ...' if len(names) > 1 else ''} (not loaded)")
-            blocking.append(f"{what} (weights {prefix}*): {who}")
-    return ignored, list(dict.fromkeys(blocking))
+_EAGLE = ("eagle",)
+_MTP = ("mtp",)
 
 
-def _taps(ck: Checkpoint, code: OurCode, target_layers: int | None, target_from: str) -> Taps:
-    raw = ck.config
-    dflash = raw.get("dflash_config") or {}
-    eagle = raw.get("eagle_aux_hidden_state_layer_ids")  # read by the runner at the top level only
-    if eagle:
-        # The runner prefers these (vLLM's own indexing) over dflash_config ids, in every build: no shift.
-        aux = [int(i) for i in eagle]
-        target = target_layers if target_layers is not None else raw.get("num_target_layers")
-        return Taps(
-            [i - 1 for i in aux],
-            "eagle_aux_hidden_state_layer_ids - 1",
-            aux,
-            aux,
-            rules.reference_ids(raw),
-            target,
-            target_from or "num_target_layers",
+def drafter_kind(raw: Mapping[str, Any]) -> str:
+    """What kind of checkpoint this is: "" for a DFlash drafter, else a description (EAGLE, Medusa, MTP, a model)."""
+    archs = raw.get("architectures")
+    names = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    mt = str(raw.get("model_type") or "").lower()
+    spec = raw.get("speculators_model_type")
+    if spec is not None:
+        if str(spec).lower() in ("dflash", "dflash2"):
+            return ""
+        return f"a speculators-format {spec} drafter (speculators_model_type {json.dumps(spec)})"
+    lowered = " ".join(names).lower()
+    if "dflash" in lowered or isinstance(raw.get("dflash_config"), (dict, list, str)):
+        return ""
+    if "eagle3" in lowered or mt == "eagle3" or "eagle_aux_hidden_state_layer_ids" in raw:
+        return f"an EAGLE-3 drafter ({'/'.join(names) or 'model_type ' + mt}); serve it with method eagle3"
+    if "eagle" in lowered or mt == "eagle":
+        return f"an EAGLE drafter ({'/'.join(names) or 'model_type ' + mt}); serve it with method eagle"
+    if "medusa" in lowered or mt == "medusa":
+        return f"a Medusa drafter ({'/'.join(names) or 'model_type medusa'}); serve it with method medusa"
+    if "mtp" in lowered or mt.endswith("_mtp") or "num_nextn_predict_layers" in raw:
+        return f"a multi-token-prediction (MTP) module ({'/'.join(names) or 'model_type ' + mt}); serve it as MTP"
+    if any(n.endswith(("ForCausalLM", "ForConditionalGeneration")) for n in names) or "text_config" in raw:
+        return (
+            f"a model ({'/'.join(names) or 'model_type ' + mt}), not a drafter: pass the drafter's config.json "
+            "(pass this one as --target)"
         )
-    if "dflash_config.target_layer_ids" in ck.unknown:
-        ids: list[int] | None = None
-        ids_from = "unknown (no public source)"
-    elif "target_layer_ids" in dflash:
-        ids = [int(i) for i in dflash["target_layer_ids"]]
-        ids_from = "aux_hidden_state_layer_ids - 1 (speculators)" if ck.speculators else "dflash_config"
-    elif raw.get("target_layer_ids") is not None:
-        ids, ids_from = [int(i) for i in raw["target_layer_ids"]], "top level only"
-    else:
-        ids, ids_from = None, "absent"
-    if target_layers is None and raw.get("num_target_layers") is not None:
-        target_layers, target_from = int(raw["num_target_layers"]), "num_target_layers in the drafter's config.json"
-    in_dflash = ids is not None and ids_from != "top level only"
-    ours = code.taps(dflash) if in_dflash else None
-    stock: list[int] | None
-    if ck.speculators and ids is not None:
-        stock = [i + 1 for i in ids]  # speculators: ids already in vLLM's indexing, stock taps them right
-    else:
-        stock = rules.stock_taps(ids) if in_dflash else None
-    problems = []
-    if ids_from == "absent":
+    return f"no DFlash drafter config (architectures {json.dumps(archs)}, no dflash_config)"
+
+
+def _dflash_ids(raw: Mapping[str, Any], ours: rules.Reading) -> tuple[list[int] | None, str]:
+    """The target layers the checkpoint asks for, as output-of-layer ids, and where they are written."""
+
+    def ints(v: Any) -> list[int] | None:
+        ok = isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+        return list(v) if ok else None
+
+    if "speculators_model_type" in raw:
+        aux = ints(raw.get("aux_hidden_state_layer_ids"))
+        return (
+            ([i - 1 for i in aux], "aux_hidden_state_layer_ids - 1 (speculators, vLLM's indexing)")
+            if aux
+            else (
+                None,
+                "absent",
+            )
+        )
+    aux = ints(raw.get("eagle_aux_hidden_state_layer_ids"))
+    if aux:
+        return [i - 1 for i in aux], "eagle_aux_hidden_state_layer_ids - 1 (vLLM's indexing)"
+    dflash = raw.get("dflash_config")
+    if isinstance(dflash, Mapping) and "target_layer_ids" in dflash:
+        ids = ints(dflash["target_layer_ids"])
+        return ids, "dflash_config.target_layer_ids" if ids is not None else "dflash_config.target_layer_ids (odd)"
+    top = ints(raw.get("target_layer_ids"))
+    if top is not None:
+        return top, "top level only"
+    return None, "absent"
+
+
+def _positions(a: list[Any] | None, b: list[Any] | None) -> list[int]:
+    if a is None or b is None:
+        return []
+    n = max(len(a), len(b))
+    return [i for i in range(n) if (a[i] if i < len(a) else None) != (b[i] if i < len(b) else None)]
+
+
+def _outputs(aux: list[Any] | None) -> list[Any] | None:
+    if aux is None:
+        return None
+    return [i - 1 if isinstance(i, int) and not isinstance(i, bool) else i for i in aux]
+
+
+def _span(items: list[int]) -> str:
+    return ", ".join(str(i) for i in items)
+
+
+def _taps(
+    raw: Mapping[str, Any], readings: Mapping[str, rules.Reading], target_layers: int | None, target_from: str
+) -> Taps:
+    ids, ids_from = _dflash_ids(raw, readings[OURS])
+    problems: list[str] = []
+    if ids is None and ids_from == "absent":
         problems.append(
-            "no target_layer_ids: vLLM taps the target model's default aux layers, the reference "
-            "build_target_layer_ids(num_target_layers, num_hidden_layers): set dflash_config.target_layer_ids"
+            "no target_layer_ids: vLLM reads the target model's default layers, not the ones the drafter was trained "
+            "on -- set dflash_config.target_layer_ids"
         )
-    if ids is not None and target_layers is not None:
+    if target_layers is not None and ids is not None:
         bad = [i for i in ids if not 0 <= i < target_layers]
         if bad:
             problems.append(
@@ -221,14 +235,54 @@ def _taps(ck: Checkpoint, code: OurCode, target_layers: int | None, target_from:
             )
         elif target_layers - 1 in ids:
             problems.append(
-                f"a tap on the last target layer ({target_layers - 1}): vLLM records it before the final norm, the "
+                f"a read of the last target layer ({target_layers - 1}): vLLM takes it before the final norm, the "
                 "reference after it"
             )
-    return Taps(ids, ids_from, ours, stock, rules.reference_ids(raw), target_layers, target_from, problems)
+    layer = raw.get("transformer_layer_config") if "speculators_model_type" in raw else raw
+    n_target = layer.get("num_target_layers") if isinstance(layer, Mapping) else None
+    if target_layers is None and isinstance(n_target, int) and not isinstance(n_target, bool) and ids is not None:
+        bad = [i for i in ids if not 0 <= i < n_target]
+        if bad:
+            problems.append(
+                f"note: target_layer_ids {bad} lie beyond the drafter's own num_target_layers {n_target} (pass "
+                "--target to check against the target you serve)"
+            )
+    return Taps(
+        ids,
+        ids_from,
+        readings[OURS].taps,
+        readings[STOCK].taps,
+        readings[UPSTREAM].taps,
+        readings[REFERENCE].taps,
+        target_layers,
+        target_from,
+        problems,
+    )
 
 
-def _span(layers: list[int]) -> str:
-    return ", ".join(str(i) for i in layers)
+def _stock_words(ours: rules.Reading, stock: rules.Reading, taps: Taps, wrong: dict[str, list[int]]) -> list[str]:
+    out = []
+    if "taps" in wrong and taps.ours_aux is not None and taps.stock_aux is not None:
+        out.append(
+            f"stock vLLM 0.20.1 feeds the drafter the outputs of target layers {_span(_outputs(taps.stock_aux) or [])}"
+            f" instead of {_span(_outputs(taps.ours_aux) or [])} (one layer too early each)"
+        )
+    assert ours.layers is not None and stock.layers is not None
+    if "windows" in wrong:
+        w = wrong["windows"]
+        sizes = sorted({ours.layers[i].window or 0 for i in w})
+        many = len(w) > 1
+        out.append(
+            f"drafter layer{'s' if many else ''} {_span(w)} lose{'' if many else 's'} {'their' if many else 'its'} "
+            f"sliding window: stock attends to the whole context instead of the last {'/'.join(map(str, sizes))} tokens"
+        )
+    if "causality" in wrong:
+        c = wrong["causality"]
+        out.append(
+            f"drafter layer{'s' if len(c) > 1 else ''} {_span(c)} also attend to the later positions of the drafted "
+            "block on stock (trained causal: earlier positions only)"
+        )
+    return out
 
 
 def diagnose(
@@ -239,90 +293,137 @@ def diagnose(
     target_architectures: tuple[str, ...] = (),
 ) -> Diagnosis:
     raw = ck.config
-    arch = "/".join(rules._architectures(raw)) or "(none)"
-    n = int(raw.get("num_hidden_layers", 0))
-    dflash = raw.get("dflash_config") or {}
-    block = dflash.get("block_size", raw.get("block_size"))
-    results: dict[str, list[rules.Layer] | rules.Refusal] = {
-        "stock 0.20.1": rules.stock_0_20_1(raw),
-        "this build": _ours(code, raw),
-        "upstream 0.33": rules.upstream_0_33(raw),
-        "reference 0.1.0": rules.reference_0_1_0(raw),
-    }
+    readings = {b: rules.read(b, raw, code) for b in BUILDS}
+    ours, stock = readings[OURS], readings[STOCK]
+    archs = raw.get("architectures")
+    arch = "/".join(str(a) for a in archs) if isinstance(archs, list) else json.dumps(archs)
     rows: list[LayerRow] = []
     refusals: dict[str, str] = {}
     for build in BUILDS:
-        r = results[build]
-        if isinstance(r, rules.Refusal):
-            refusals[build] = f"{r.line} [{r.source}]"
-        else:
-            rows += _rows(build, r)
-    up = results["upstream 0.33"]
-    runner = rules.upstream_runner_note(raw, up) if not isinstance(up, rules.Refusal) else "refused"
-    taps = _taps(ck, code, target_layers, target_from)
-    ignored, blocking = _features(ck)
-    if target_architectures and not set(target_architectures) & set(rules.AUX_TARGETS_0_20_1):
+        r = readings[build]
+        if r.refusal is not None:
+            refusals[build] = f"{r.refusal.line} [{r.refusal.source}]"
+        elif r.layers is not None:
+            rows += _rows(build, r.layers, raw)
+    up = readings[UPSTREAM]
+    runner = up.runner if up.refusal is None else "refused"
+    taps = _taps(raw, readings, target_layers, target_from)
+    table = F.classify(raw, ck.files, ck.tensors)
+    ignored = [f"{h.name} = {h.value} ({h.feature.what}; read by {h.feature.reader})" for h in table.blocking]
+    ignored += table.harmless
+    unknown = [u for u in table.unknown if not ck.unknown or u.split(" = ", 1)[0] not in ck.unknown]
+    blocking = list(dict.fromkeys(f"{h.feature.what} ({h.name}): {h.feature.reader}" for h in table.blocking))
+    if target_architectures and not rules.runs_on_stock(target_architectures):
         blocking.append(
             f"target {'/'.join(target_architectures)} records no auxiliary hidden states in vLLM 0.20.1 "
             f"(no SupportsEagle3) [{rules.SRC_AUX_TARGETS}]: a vLLM release whose model implements it (not checked)"
         )
-    if "DFlash2DraftModel" in rules._architectures(raw):
-        blocking.insert(0, "DFlash2DraftModel is not registered in vLLM 0.20.1: vLLM >= 0.28 V2 runner (#52816)")
-    stock = results["stock 0.20.1"]
-    if isinstance(stock, rules.Refusal) and not blocking:
-        blocking.append(f"{stock.line}: see upstream")
+    kind = drafter_kind(raw)
+    layer = raw.get("transformer_layer_config") if ck.speculators else raw
+    dflash = (layer.get("dflash_config") if isinstance(layer, Mapping) else None) or {}
+    block = dflash.get("block_size") if isinstance(dflash, Mapping) else None
+    if block is None and isinstance(layer, Mapping):
+        block = layer.get("block_size")
+    n = ours.loaded.get("num_hidden_layers") if ours.loaded.attrs else None
 
-    ours = results["this build"]
     wrong: dict[str, list[int]] = {}
-    if blocking:
-        klass = NOT_RUNNABLE
-        verdict = f"{NOT_RUNNABLE}: " + "; ".join(blocking)
-    elif isinstance(ours, rules.Refusal):
-        klass, verdict = REFUSED, f"{REFUSED}: {ours.line}"
+    words: list[str] = []
+    advice: list[str] = []
+    if kind:
+        klass, verdict = NOT_DFLASH, f"{NOT_DFLASH}: this is {kind}"
+        advice.append("the doctor checks DFlash drafters (architectures DFlashDraftModel): pass one")
+    elif ours.refusal is not None and ours.refusal.stage == "load":
+        every = all(_refused_at_load(readings[b]) for b in (STOCK, UPSTREAM))
+        who = "every vLLM build" if every else "this build"
+        klass, verdict = REFUSED, f"{REFUSED}: {who} refuses to load the config: {ours.refusal.line}"
+        advice.append("fix that field in the drafter's config.json (the reason names it), then run the doctor again")
+    elif any("outside" in p for p in taps.problems):
+        klass = MISFIT
+        verdict = f"{MISFIT}: " + next(p for p in taps.problems if "outside" in p)
+        advice.append("pair the drafter with the target it was trained for (--target), or fix target_layer_ids")
+    elif ours.refusal is not None and ours.refusal.stage == "class":
+        up_model = up.model if up.refusal is None else ""
+        where = f"{UPSTREAM_NAME} serves it ({up_model}, {runner})" if up_model else "no vLLM release we know"
+        blocking.insert(0, f"{ours.refusal.line} in vLLM 0.20.1 (this build neither): {where}")
+        klass, verdict = NOT_RUNNABLE, f"{NOT_RUNNABLE}: " + "; ".join(blocking)
+        advice.append("serve it with the release named above" if up_model else "check the drafter's architectures")
+    elif blocking:
+        klass, verdict = NOT_RUNNABLE, f"{NOT_RUNNABLE}: " + "; ".join(blocking)
+        advice.append(
+            "this build (and stock 0.20.1) would ignore the fields above and compute something else than the drafter "
+            "was trained to: serve it with the release that reads them"
+        )
+    elif ours.refusal is not None:
+        klass, verdict = REFUSED, f"{REFUSED}: {ours.refusal.line}"
+        advice.append("change the field the line names in the drafter's config.json, then run the doctor again")
     else:
-        assert not isinstance(stock, rules.Refusal)
-        if taps.ours_aux is not None and taps.stock_aux is not None:
-            wrong["taps"] = [i for i, (a, b) in enumerate(zip(taps.ours_aux, taps.stock_aux, strict=True)) if a != b]
-        wrong["windows"] = [i for i, (a, b) in enumerate(zip(ours, stock, strict=True)) if a.window != b.window]
-        wrong["causality"] = [
-            i for i, (a, b) in enumerate(zip(ours, stock, strict=True)) if a.window == b.window and a.causal != b.causal
-        ]
-        wrong = {k: v for k, v in wrong.items() if v}
-        parts = []
-        if "taps" in wrong:
-            parts.append(f"taps ({len(wrong['taps'])} of {len(taps.ours_aux or [])} one target layer early)")
-        if "windows" in wrong:
-            w = wrong["windows"]
-            parts.append(
-                f"windows (layer{'s' if len(w) > 1 else ''} {_span(w)} run full attention instead of "
-                + ", ".join(
-                    sorted({f"{'causal' if ours[i].causal else 'non-causal'} window {ours[i].window}" for i in w})
-                )
-                + ")"
-            )
-        if "causality" in wrong:
-            c = wrong["causality"]
-            parts.append(f"causality (layer{'s' if len(c) > 1 else ''} {_span(c)} run non-causal instead of causal)")
-        if parts:
-            klass, verdict = STOCK_MISSERVES, f"{SERVED} by this build; {STOCK_MISSERVES}: " + ", ".join(parts)
+        if stock.refusal is not None:
+            wrong["start"] = []
+            words.append(f"stock vLLM 0.20.1 does not start with it: {stock.refusal.line}")
         else:
-            klass, verdict = SERVED, f"{SERVED} (by this build and by stock 0.20.1)"
+            assert ours.layers is not None and stock.layers is not None
+            pos = _positions(taps.ours_aux, taps.stock_aux)
+            if pos:
+                wrong["taps"] = pos
+            wrong["windows"] = [
+                i for i, (a, b) in enumerate(zip(ours.layers, stock.layers, strict=False)) if a.window != b.window
+            ]
+            wrong["causality"] = [
+                i
+                for i, (a, b) in enumerate(zip(ours.layers, stock.layers, strict=False))
+                if a.window == b.window and a.causal != b.causal
+            ]
+            wrong = {k: v for k, v in wrong.items() if v}
+            words = _stock_words(ours, stock, taps, wrong)
+        if wrong:
+            served = f"{SERVED} by this build; {STOCK_MISSERVES}"
+            advice.append(INSTALL + (f"; {FLASH_ATTN}" if _windowed(ours) else ""))
+        else:
+            served = f"{SERVED} (by this build and by stock 0.20.1)"
+            if _windowed(ours):
+                advice.append(FLASH_ATTN[0].upper() + FLASH_ATTN[1:])
+        if unknown:
+            klass = UNREAD
+            names = ", ".join(u.split(" = ", 1)[0] for u in unknown)
+            verdict = f"{UNREAD}; these fields are read by no build we know: {names} ({served})"
+            advice.insert(0, f"ask the drafter's authors what {names} mean{'s' if len(unknown) == 1 else ''}")
+        elif wrong:
+            klass, verdict = STOCK_MISSERVES, served + ": " + "; ".join(words)
+        else:
+            klass, verdict = SERVED, served
+    if klass == NOT_RUNNABLE and ours.refusal is None:
+        words.append("stock 0.20.1 and this build ignore what is named above")
     return Diagnosis(
         checkpoint=ck.name,
         architecture=arch,
-        num_layers=n,
-        block_size=int(block) if block is not None else None,
+        drafter=kind or "DFlash drafter",
+        num_layers=n if isinstance(n, int) and not isinstance(n, bool) else None,
+        block_size=block if isinstance(block, int) and not isinstance(block, bool) and block > 1 else None,
         resolution_source=code.source,
         rows=rows,
         refusals=refusals,
         upstream_runner=runner,
         taps=taps,
         ignored=ignored,
-        not_runnable=blocking,
+        unknown_fields=unknown,
+        not_runnable=blocking if klass == NOT_RUNNABLE else [],
         verdict_class=klass,
         verdict=verdict,
         stock_wrong=wrong,
+        stock_words=words,
+        advice=advice,
     )
+
+
+UPSTREAM_NAME = "vLLM 0.33.0"
+
+
+def _refused_at_load(r: rules.Reading) -> bool:
+    return r.refusal is not None and r.refusal.stage == "load"
+
+
+def _windowed(r: rules.Reading) -> bool:
+    return any(x.window is not None or x.causal for x in r.layers or ())
 
 
 def _window(row: LayerRow) -> str:
@@ -331,75 +432,59 @@ def _window(row: LayerRow) -> str:
 
 def render_text(d: Diagnosis) -> str:
     """The doctor's printed report."""
-    out = [
-        f"drafter: {d.checkpoint}",
-        f"  {d.architecture}, {d.num_layers} layers"
-        + (
-            f", block_size {d.block_size} (serve with --speculative-config num_speculative_tokens {d.block_size - 1})"
-            if d.block_size
-            else ""
-        ),
-    ]
-    out.append(f"  this build's resolution: {d.resolution_source} (the patch's own code)")
-    out.append("")
-    head = ("layer", "build", "kind (from)", "window (from)", "causal (from)", "backend window")
-    table = [head]
-    for r in d.rows:
-        table.append(
-            (
-                str(r.layer),
-                r.build,
-                f"{r.kind} ({r.kind_from})",
-                _window(r),
-                f"{'causal' if r.causal else 'non-causal'} ({r.causal_from})",
-                str(r.backend_window),
-            )
-        )
+    out = [f"drafter: {d.checkpoint}"]
+    head = f"  {d.drafter}, architectures {d.architecture}"
+    if d.num_layers is not None:
+        head += f", {d.num_layers} layers"
+    if d.block_size:
+        head += f", block_size {d.block_size} (serve with num_speculative_tokens {d.block_size - 1})"
+    out += [head, f"  this build's resolution: {d.resolution_source} (the patch's own code)", ""]
+    cols = ("layer", "build", "kind (from)", "window (from)", "causal (from)", "backend window")
+    table = [cols]
     order = {b: i for i, b in enumerate(BUILDS)}
-    body = sorted(table[1:], key=lambda t: (int(t[0]), order[t[1]]))
-    widths = [max(len(t[i]) for t in [head, *body]) for i in range(len(head))]
-    for t in [head, *body]:
-        out.append("  " + "  ".join(c.ljust(w) for c, w in zip(t, widths, strict=True)).rstrip())
+    for r in sorted(d.rows, key=lambda r: (r.layer, order[r.build])):
+        causal = f"{'causal' if r.causal else 'non-causal'} ({r.causal_from})"
+        table.append((str(r.layer), r.build, f"{r.kind} ({r.kind_from})", _window(r), causal, str(r.backend_window)))
+    if len(table) > 1:
+        widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
+        out += ["  " + "  ".join(c.ljust(w) for c, w in zip(t, widths, strict=True)).rstrip() for t in table]
     out.append(
         f"  sources: stock [{rules.SRC_STOCK_MODEL}; {rules.SRC_STOCK_PROPOSER}]; upstream [{rules.SRC_UPSTREAM}];"
     )
-    out.append(f"           reference [{rules.SRC_REFERENCE}]; loaded config [{rules.SRC_TRANSFORMERS}]")
+    out.append(f"           reference [{rules.SRC_REFERENCE}]")
+    if any("filled by transformers" in r.kind_from for r in d.rows):
+        out.append(
+            "  layer_types is not in config.json: transformers fills it (sliding from index max_window_layers on "
+            "when use_sliding_window keeps a window, else full) before any build reads it"
+        )
     for build, line in d.refusals.items():
         out.append(f"  {build}: does not serve it: {line}")
-    if "upstream 0.33" not in d.refusals:
+    if UPSTREAM not in d.refusals and d.upstream_runner:
         out.append(f"  upstream 0.33 runner: {d.upstream_runner}")
-    taps = d.taps
-    out.append("")
-    out.append(f"taps: target_layer_ids {taps.dflash_ids} ({taps.ids_from}); DFlash id L = output of target layer L")
-    if taps.target_layers is not None:
-        out.append(f"  target: {taps.target_layers} layers ({taps.target_from})")
-    if taps.ours_aux is not None:
-        out.append(
-            f"  this build:      aux {taps.ours_aux} = output of layers {[i - 1 for i in taps.ours_aux]} (patch 0001)"
-        )
-    else:
-        out.append("  this build:      no dflash_config.target_layer_ids")
-    if taps.stock_aux is not None:
-        out.append(
-            f"  stock 0.20.1:    aux {taps.stock_aux} = output of layers {[i - 1 for i in taps.stock_aux]}"
-            f" [{rules.SRC_STOCK_TAPS}]"
-        )
-    if taps.stock_aux is None:
-        out.append("  stock 0.20.1:    no dflash_config.target_layer_ids: the target model's default aux layers")
-    if taps.dflash_ids is not None:
-        up = (
-            [i + 1 for i in taps.dflash_ids]
-            if taps.ids_from != "eagle_aux_hidden_state_layer_ids - 1"
-            else taps.ours_aux
-        )
-        out.append(f"  upstream 0.33:   aux {up} (dflash_config first, then top level; +1 since 0.22.0, #40727)")
-    out.append(f"  reference 0.1.0: output of layers {taps.reference_layers} [{rules.SRC_REFERENCE_IDS}]")
-    for p in taps.problems:
-        out.append(f"  ! {p}")
-    if d.ignored:
-        out.append("")
-        out.append("carried by the checkpoint, not used by this build:")
+    t = d.taps
+    out += ["", f"target layers the drafter reads: {t.dflash_ids} ({t.ids_from}) -- the outputs of these target layers"]
+    if t.target_layers is not None:
+        out.append(f"  target: {t.target_layers} layers ({t.target_from})")
+    for build, aux, src in (
+        ("this build", t.ours_aux, rules.SRC_OURS_TAPS),
+        ("stock 0.20.1", t.stock_aux, rules.SRC_STOCK_TAPS),
+        ("upstream 0.33", t.upstream_aux, rules.SRC_UPSTREAM_TAPS),
+    ):
+        if build in d.refusals and aux is None:
+            continue
+        if aux is None:
+            out.append(f"  {build + ':':15} the target model's default layers (no ids it reads)")
+        else:
+            out.append(f"  {build + ':':15} outputs of layers {_outputs(aux)} (vLLM aux indices {aux}) [{src}]")
+    if t.reference_layers is not None:
+        out.append(f"  {'reference 0.1.0:':15} outputs of layers {t.reference_layers} [{rules.SRC_REFERENCE_IDS}]")
+    out += [f"  ! {p}" for p in t.problems]
+    if d.ignored or d.unknown_fields:
+        out += ["", "carried by the checkpoint, not used by this build:"]
         out += [f"  - {x}" for x in d.ignored]
-    out.append("")
-    out.append(f"verdict: {d.verdict}")
+        out += [f"  - {x} (read by no build we know)" for x in d.unknown_fields]
+    out += ["", f"verdict: {d.verdict} (exit {d.exit_code})"]
+    if d.stock_words and d.verdict_class != STOCK_MISSERVES:
+        out += [f"  on stock 0.20.1: {w}" for w in d.stock_words]
+    out += [f"  what to do: {a}" for a in d.advice]
     return "\n".join(out)

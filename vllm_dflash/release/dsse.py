@@ -22,7 +22,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from vllm_dflash.errors import DflashError, VerifyError
+from vllm_dflash.errors import DflashError, SigningKeyError, VerifyError
 
 INTOTO_PAYLOAD_TYPE = "application/vnd.in-toto+json"
 # Our own type for the checksum list: PAE binds the type, so this signature can never pass as a statement's.
@@ -70,11 +70,15 @@ def _read_key(path: Path, what: str, error: type[DflashError]) -> bytes:
         raise error(f"cannot read {what} {path}: it does not exist", _KEY_HINT) from None
 
 
-def load_private_key(path: Path, password: bytes | None = None, error: type[DflashError] = DflashError) -> SigningKey:
+def load_private_key(
+    path: Path, password: bytes | None = None, error: type[DflashError] = SigningKeyError
+) -> SigningKey:
+    from cryptography.exceptions import UnsupportedAlgorithm
+
     data = _read_key(path, "signing key", error)
     try:
         key = serialization.load_pem_private_key(data, password=password)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise error(f"signing key {path} is not a usable PEM private key: {exc}", _KEY_HINT) from None
     if not isinstance(key, Ed25519PrivateKey):
         raise error(f"signing key {path} is a {type(key).__name__}, not Ed25519", _KEY_HINT)
@@ -82,9 +86,11 @@ def load_private_key(path: Path, password: bytes | None = None, error: type[Dfla
 
 
 def parse_public_key(data: bytes, where: str, error: type[DflashError] = VerifyError) -> Ed25519PublicKey:
+    from cryptography.exceptions import UnsupportedAlgorithm
+
     try:
         key = serialization.load_pem_public_key(data)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise error(f"{where}: not a PEM public key ({str(exc).splitlines()[0]})", _KEY_HINT) from None
     if not isinstance(key, Ed25519PublicKey):
         raise error(f"{where}: a {type(key).__name__}, not an Ed25519 public key", _KEY_HINT)

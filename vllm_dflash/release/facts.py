@@ -4,20 +4,15 @@ build provenance document it carries. Nothing here looks at the checkout.
 
 from __future__ import annotations
 
-import email.parser
-import email.policy
 import re
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_dflash import provenance as prov
-from vllm_dflash.errors import DflashError, ProvenanceError, VerifyError
+from vllm_dflash.errors import DflashError, VerifyError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest
-
-# manylinux_2_35_x86_64, manylinux2014_aarch64, musllinux_1_2_x86_64, linux_x86_64 -> the machine part.
-_PLATFORM_TAG = re.compile(r"^(?:manylinux_\d+_\d+|manylinux\d+|musllinux_\d+_\d+|linux)_(?P<machine>[a-z0-9_]+)$")
+from vllm_dflash.pipeline import wheelfile
 
 
 @dataclass(frozen=True)
@@ -84,62 +79,19 @@ def parse_requirement(line: str) -> Requirement:
 
 def machine_of(tags: tuple[str, ...], where: str, error: type[DflashError] = VerifyError) -> str:
     """The one machine a set of platform tags names ("any" for pure wheels)."""
-    machines: set[str] = set()
-    for tag in tags:
-        if tag == "any":
-            machines.add("any")
-            continue
-        m = _PLATFORM_TAG.match(tag)
-        if not m:
-            raise _fail(error, where, f"platform tag {tag!r} names no Linux machine")
-        machines.add(m.group("machine"))
-    if len(machines) != 1:
-        raise _fail(error, where, f"platform tags {sorted(tags)} name {len(machines)} machines, not one")
-    return machines.pop()
+    return wheelfile.machine_of(tags, where, error)
 
 
 def read_facts(wheel: Path, error: type[DflashError] = VerifyError, sha256: str | None = None) -> WheelFacts:
-    """Everything the release says about `wheel`, from the wheel. Any problem is one `error` line."""
-    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+    """Everything the release says about `wheel`, from the wheel (wheelfile.inspect_wheel: name, version, machine and
+    interpreter from its own METADATA and WHEEL, its provenance naming this build). Any problem is one `error` line."""
+    from packaging.utils import parse_wheel_filename
 
     where = wheel.name
-    try:
-        _, _, _, tags = parse_wheel_filename(wheel.name)
-    except InvalidWheelFilename as exc:
-        raise _fail(error, where, f"not a wheel file name ({exc})") from None
-    file_tags = tuple(sorted({t.platform for t in tags}))
-    platform = machine_of(file_tags, where, error)
-    try:
-        provenance = prov.read_wheel(wheel)
-    except ProvenanceError as exc:
-        raise error(exc.message, exc.hint) from None
-    try:
-        with zipfile.ZipFile(wheel) as zf:
-            dist_infos = sorted(
-                {n.split("/", 1)[0] for n in zf.namelist() if n.split("/", 1)[0].endswith(".dist-info")}
-            )
-            if len(dist_infos) != 1:
-                raise _fail(error, where, f"has {len(dist_infos)} .dist-info directories, not one")
-            metadata_raw = zf.read(f"{dist_infos[0]}/METADATA")
-            wheel_raw = zf.read(f"{dist_infos[0]}/WHEEL")
-    except KeyError as exc:
-        raise _fail(error, where, f"lacks {exc.args[0]}") from None
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise _fail(error, where, f"is not a readable wheel ({exc})") from None
-
-    parser = email.parser.BytesParser(policy=email.policy.compat32)
-    meta = parser.parsebytes(metadata_raw, headersonly=True)
-    name, version = meta.get("Name"), meta.get("Version")
-    if not name or not version:
-        raise _fail(error, where, "METADATA lacks Name or Version")
-    if version != provenance.version:
-        raise _fail(error, where, f"METADATA Version {version} differs from its provenance's {provenance.version}")
-    wheel_meta = parser.parsebytes(wheel_raw, headersonly=True)
-    # WHEEL may keep the build's own tag (upstream's says linux_x86_64 under a manylinux file name): the machine
-    # must agree, the policy tag need not.
-    meta_tags = tuple(sorted({t.rsplit("-", 1)[-1] for t in wheel_meta.get_all("Tag") or []}))
-    if meta_tags and machine_of(meta_tags, f"{where} WHEEL", error) != platform:
-        raise _fail(error, where, f"its WHEEL tags {list(meta_tags)} name another machine than its file name")
+    got = wheelfile.inspect_wheel(wheel, error, require_provenance=True)
+    assert got.provenance is not None  # required
+    file_tags = tuple(sorted({t.platform for t in parse_wheel_filename(wheel.name)[3]}))
+    meta = got.headers
     try:
         requirements = tuple(parse_requirement(str(r)) for r in meta.get_all("Requires-Dist") or [])
     except ValueError as exc:
@@ -150,15 +102,15 @@ def read_facts(wheel: Path, error: type[DflashError] = VerifyError, sha256: str 
         filename=wheel.name,
         sha256=sha256 or sha256_file(wheel),
         size=wheel.stat().st_size,
-        name=str(name),
-        version=str(version),
+        name=got.name,
+        version=got.version,
         summary=str(meta.get("Summary") or ""),
         license_expression=str(lic) if lic else None,
-        requires_python=str(meta.get("Requires-Python")) if meta.get("Requires-Python") else None,
+        requires_python=got.requires_python,
         requirements=requirements,
-        platform=platform,
+        platform=got.machine,
         platform_tags=file_tags,
-        provenance=provenance,
+        provenance=got.provenance,
     )
 
 

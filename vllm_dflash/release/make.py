@@ -10,15 +10,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from vllm_dflash import report as reports
-from vllm_dflash.errors import DflashError, ProvenanceError, StorageError, VerifyError
+from vllm_dflash.errors import ProvenanceError, StorageError, VerifyError
 from vllm_dflash.fetch import sha256_file
-from vllm_dflash.manifest import Manifest
+from vllm_dflash.manifest import Manifest, Profile
 from vllm_dflash.paths import copy_atomic, ensure_dir, storage_error, temp_sibling, temporary_pid, write_bytes_atomic
 from vllm_dflash.release import dsse, layout
 from vllm_dflash.release.facts import SourceMaterial, WheelFacts, read_facts, source_material
@@ -26,6 +26,7 @@ from vllm_dflash.release.images import build_images
 from vllm_dflash.release.notes import AttachedReport, ImageRef, release_notes
 from vllm_dflash.release.sbom import build_sbom
 from vllm_dflash.release.statement import DEFAULT_BUILDER_ID, build_statement
+from vllm_dflash.validate import verdict
 
 _NEW_DIR_HINT = "use an empty (or new) release directory, or one that holds only an earlier release of these wheels"
 
@@ -96,15 +97,17 @@ def _check_one_release(facts: Sequence[WheelFacts]) -> None:
 
 
 def _attach_reports(
-    facts: Sequence[WheelFacts], paths: Sequence[Path], key: bytes | None
+    facts: Sequence[WheelFacts], paths: Sequence[Path], key: bytes | None, profiles: Mapping[str, Profile]
 ) -> tuple[list[AttachedReport], dict[str, bytes]]:
     by_sha = {f.sha256: f for f in facts}
     attached: list[AttachedReport] = []
     contents: dict[str, bytes] = {}
     for path in paths:
         rep = reports.load(path, key, VerifyError, "pass the report `vllm-dflash validate` wrote")
-        if rep.verdict != "pass":
-            raise VerifyError(f"report {path} did not pass ({rep.why_not_passed()})", "attach passing reports only")
+        judged = verdict.check(rep, profiles, VerifyError, "attach the report `vllm-dflash validate` wrote")
+        if judged.verdict != "pass":
+            failed = f"failed gates {list(judged.failed)}" if judged.failed else f"error: {rep.error}"
+            raise VerifyError(f"report {path} did not pass ({failed})", "attach passing reports only")
         wheel = by_sha.get(rep.artifact_sha256 or "")
         if wheel is None:
             raise VerifyError(
@@ -161,10 +164,10 @@ def make_release(
     if len(sources) != 1:
         raise VerifyError("the wheels were built from different upstream sources", "build them from one checkout")
     source: SourceMaterial = sources.pop()
-    attached, report_bytes = _attach_reports(facts, options.reports, options.report_key)
+    attached, report_bytes = _attach_reports(facts, options.reports, options.report_key, manifest.profiles)
     key: dsse.SigningKey | None = None
     if options.sign_key is not None:
-        key = dsse.load_private_key(options.sign_key, options.sign_key_password, DflashError)
+        key = dsse.load_private_key(options.sign_key, options.sign_key_password)
 
     # Every document, in memory, before anything is written.
     docs: dict[str, bytes] = dict(report_bytes)

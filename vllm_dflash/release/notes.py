@@ -9,6 +9,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vllm_dflash.oci import repository_problem
 from vllm_dflash.release import layout
 from vllm_dflash.release.facts import Requirement, SourceMaterial, WheelFacts
 from vllm_dflash.report import ValidationReport
@@ -45,8 +46,9 @@ class ImageRef:
     def __post_init__(self) -> None:
         if not _DIGEST.match(self.digest):
             raise ValueError(f"image digest {self.digest!r} is not sha256:<64 hex>")
-        if "@" in self.repository or not self.repository:
-            raise ValueError(f"image repository {self.repository!r} must be a name without a digest")
+        problem = repository_problem(self.repository)
+        if problem is not None:  # what a container tool pushes and pulls: never an option, a space or a digest
+            raise ValueError(f"image repository {self.repository[:120]!r} {problem}")
 
 
 @dataclass(frozen=True)

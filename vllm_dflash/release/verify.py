@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from vllm_dflash import report as reports
 from vllm_dflash.errors import VerifyError
 from vllm_dflash.fetch import sha256_file
+from vllm_dflash.manifest import Profile
 from vllm_dflash.release import dsse, layout
 from vllm_dflash.release.facts import WheelFacts, read_facts
 from vllm_dflash.release.images import check_images
@@ -37,6 +38,7 @@ from vllm_dflash.release.layout import Kind
 from vllm_dflash.release.notes import ImageRef, sha256s_named
 from vllm_dflash.release.sbom import check_sbom
 from vllm_dflash.release.statement import check_statement
+from vllm_dflash.validate import verdict
 
 _RESTORE = "restore the file from the published release (or make the release again)"
 
@@ -46,6 +48,8 @@ class VerifyOptions:
     public_keys: tuple[Path, ...] = ()  # PEM Ed25519 public keys the release must be signed with (any one)
     require_signature: bool = False  # refuse an unsigned release even without a key
     report_key: bytes | None = None  # $VLLM_DFLASH_REPORT_KEY: attached reports must carry a valid HMAC
+    # The manifest's profiles: every attached report is judged again under the one of its name (none: refused).
+    profiles: Mapping[str, Profile] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -308,8 +312,10 @@ def _wheel_reports(
         if m.kind is not Kind.REPORT or m.wheel != facts.filename:
             continue
         rep = reports.load(directory / name, options.report_key, VerifyError, _RESTORE)
-        if rep.verdict != "pass":
-            raise VerifyError(f"{name}: verdict {rep.verdict} ({rep.why_not_passed()})", "attach passing reports only")
+        judged = verdict.check(rep, options.profiles, VerifyError, _RESTORE)
+        if judged.verdict != "pass":
+            failed = f"failed gates {list(judged.failed)}" if judged.failed else f"error: {rep.error}"
+            raise VerifyError(f"{name}: verdict {judged.verdict} ({failed})", "attach passing reports only")
         if rep.artifact_sha256 != facts.sha256:
             raise VerifyError(
                 f"{name}: names artifact {rep.artifact_sha256 or 'none'}, not {facts.filename} ({facts.sha256})",
@@ -317,7 +323,7 @@ def _wheel_reports(
             )
         if rep.profile_name != m.profile:
             raise VerifyError(f"{name}: is a report of profile {rep.profile_name}, not {m.profile}", _RESTORE)
-        found.append(VerifiedReport(name=name, profile=rep.profile_name, acceptance_length=rep.acceptance_length))
+        found.append(VerifiedReport(name=name, profile=rep.profile_name, acceptance_length=judged.acceptance_length))
     return VerifiedWheel(
         filename=facts.filename,
         platform=facts.platform,

@@ -3,22 +3,24 @@
 The counters are cumulative since the server started, so a measurement is always the difference of two scrapes
 taken around the prompt run: traffic before the run (warm-up, other users) does not count.
 
-Only numbers a real vLLM can produce are measured: every counter finite and >= 0, none going down between the two
-scrapes, and a delta that obeys what speculative decoding is (accepted <= draft tokens <= drafts x k, per-position
-counts non-increasing and summing to the accepted ones). Anything else is MeasurementError (exit 2), never a
-verdict. `count_problem` states those rules once; the report's readers (publish, release, verify) apply it again.
+Only numbers a real vLLM can produce are measured: every counter a whole number >= 0, every per-position label a
+draft position as vLLM writes it, none going down between the two scrapes, and a delta that obeys what speculative
+decoding is (accepted <= draft tokens <= drafts x k, per-position counts non-increasing and summing to the accepted
+ones, present for DFlash). Anything else is MeasurementError (exit 2), never a verdict. Those rules belong to the
+report (`report.count_problem` and its helpers): the report's readers (publish, release, verify) apply the same
+ones again to the counters it carries.
 """
 
 from __future__ import annotations
 
 import math
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_dflash import report as rules
 from vllm_dflash.errors import MeasurementError
+from vllm_dflash.validate import client
 
 # Prometheus family names as vLLM exports them (the text format adds `_total` to counter samples; the parser
 # strips it again from the family name).
@@ -34,8 +36,6 @@ _MALFORMED_HINT = "this is not what a vLLM server exports; point --endpoint at a
 # A vLLM /metrics page is well under a MiB (a few hundred families, histograms per engine); a server sending more is
 # not one, and an endless answer must not be read without end.
 MAX_METRICS_BYTES = 32 << 20
-# Counters are integers carried as floats; sums of a few engines' counts stay exact far beyond any run's size.
-_EPS = 1e-6
 # Prefix caching (prompt tokens looked up / found in the cache): a run that claims the condition must show hits.
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
@@ -77,7 +77,7 @@ class SpecCounters:
         mine, theirs = self.named(), before.named()
         for name, old in theirs.items():
             new = mine.get(name, 0.0)
-            if new < old - _EPS:
+            if new < old:
                 raise MeasurementError(
                     f"/metrics counter {name} went down from {old:g} to {new:g} during the run: the server "
                     "restarted (or its counters are not cumulative), so the run's drafts are unknown",
@@ -128,8 +128,10 @@ class Acceptance:
 
 
 def _sample_line(sample: Any) -> str:
-    labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-    return f"{sample.name}{{{labels}}} {sample.value}"
+    """The sample as a message quotes it: at most a few hundred characters, whatever the server sent."""
+    labels = ",".join(f'{k}="{v[:40]}{"..." if len(v) > 40 else ""}"' for k, v in sorted(sample.labels.items()))
+    line = f"{sample.name}{{{labels}}} {sample.value}"
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def parse_spec_counters(text: str) -> SpecCounters:
@@ -146,7 +148,7 @@ def parse_spec_counters(text: str) -> SpecCounters:
         families = list(text_string_to_metric_families(text))
     except ValueError as exc:
         raise MeasurementError(
-            f"/metrics is not Prometheus text format: {exc}", "check that the URL is a vLLM server"
+            f"/metrics is not Prometheus text format: {str(exc)[:300]}", "check that the URL is a vLLM server"
         ) from None
     observed: dict[str, str] = {}
     for family in families:
@@ -170,12 +172,23 @@ def parse_spec_counters(text: str) -> SpecCounters:
                     f"malformed metrics: counter sample `{_sample_line(sample)}` is not a finite count >= 0",
                     _MALFORMED_HINT,
                 )
+            if rules.count_value_problem(name, value) is not None:
+                raise MeasurementError(
+                    f"malformed metrics: counter sample `{_sample_line(sample)}` is not a whole count "
+                    f"(at most 2^53) as vLLM exports one",
+                    _MALFORMED_HINT,
+                )
             if name == ACCEPTED_PER_POS:
                 label = sample.labels.get("position")
-                if label is None or not (label.isascii() and label.isdigit()):
-                    what = "has no position label" if label is None else f"has position {label!r}, not an integer"
+                found = rules.position_of(label)
+                if found is None:
+                    what = (
+                        "has no position label"
+                        if label is None
+                        else f"has position {label[:20]!r}, not an integer as vLLM writes one"
+                    )
                     raise MeasurementError(f"malformed metrics: `{_sample_line(sample)}` {what}", _MALFORMED_HINT)
-                pos = int(label)
+                pos = found
                 per_pos[pos] = per_pos.get(pos, 0.0) + value
             else:
                 totals[name] = totals.get(name, 0.0) + value
@@ -192,71 +205,48 @@ def parse_spec_counters(text: str) -> SpecCounters:
     )
 
 
-def scrape(base_url: str, timeout_s: float = 30.0) -> SpecCounters:
-    """GET `{base_url}/metrics` and parse it."""
+def scrape(base_url: str, timeout_s: float = 30.0, session: client.Session | None = None) -> SpecCounters:
+    """GET `{base_url}/metrics` (answered in full within `timeout_s` seconds) and parse it."""
     url = base_url.rstrip("/") + "/metrics"
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            raw = resp.read(MAX_METRICS_BYTES + 1)
-        if len(raw) > MAX_METRICS_BYTES:
-            raise MeasurementError(
-                f"{url} answered more than {MAX_METRICS_BYTES >> 20} MiB: not a vLLM /metrics page",
-                "point --endpoint at a vLLM server",
-            )
-        text = raw.decode()
-    except (urllib.error.URLError, TimeoutError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
+        resp = (session or client.Session()).request("GET", url, timeout_s, MAX_METRICS_BYTES)
+    except client.TooLarge:
         raise MeasurementError(
-            f"cannot read {url}: {reason}", "check that the server is up and exports /metrics"
+            f"{url} answered more than {MAX_METRICS_BYTES >> 20} MiB: not a vLLM /metrics page",
+            "point --endpoint at a vLLM server",
         ) from None
+    except client.TransportError as exc:
+        raise MeasurementError(
+            f"cannot read {url}: {exc}", "check that the server is up and exports /metrics"
+        ) from None
+    if resp.status != 200:
+        raise MeasurementError(f"cannot read {url}: HTTP {resp.status}", "check that the server exports /metrics")
+    try:
+        text = resp.body.decode()
     except UnicodeDecodeError:
         raise MeasurementError(f"{url} is not UTF-8 text", "check that the URL is a vLLM server") from None
     return parse_spec_counters(text)
 
 
-def count_problem(drafts: Any, draft_tokens: Any, accepted: Any, per_position: Mapping[int, Any], k: int) -> str | None:
-    """None when a delta of counts is one a vLLM drafting up to `k` tokens per draft can produce; else what is
-    impossible about it. Drafted nothing is a problem too: there is nothing to measure."""
-    named = {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted}
-    named.update({f"num_accepted_tokens_per_pos[{p}]": v for p, v in per_position.items()})
-    for name, value in named.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-            return f"{name} = {value!r} is not a finite count >= 0"
-    if drafts <= 0:
-        return "the server drafted nothing during the run (0 drafts): acceptance cannot be measured"
-    if accepted > draft_tokens + _EPS:
-        return f"{accepted:g} accepted tokens exceed the {draft_tokens:g} draft tokens"
-    if draft_tokens > drafts * k + _EPS:
-        return f"{draft_tokens:g} draft tokens exceed {drafts:g} drafts x k = {k} (AL can never exceed k + 1)"
-    if per_position:
-        outside = [p for p in per_position if not 0 <= p < k]
-        if outside:
-            return f"accepted tokens at draft position {max(outside)}, outside 0..{k - 1} (k = {k})"
-        ordered = [per_position.get(p, 0.0) for p in range(k)]
-        for p, count in enumerate(ordered):
-            if count > drafts + _EPS:
-                return f"{count:g} tokens accepted at position {p}, more than the {drafts:g} drafts"
-            if p and count > ordered[p - 1] + _EPS:
-                return (
-                    f"more tokens accepted at position {p} ({count:g}) than at position {p - 1} "
-                    f"({ordered[p - 1]:g}): a draft is accepted up to its first rejected token"
-                )
-        if abs(sum(ordered) - accepted) > _EPS * max(1.0, accepted):
-            return f"the per-position counts sum to {sum(ordered):g}, not the {accepted:g} accepted tokens"
-    return None
-
-
-def acceptance(delta: SpecCounters, k: int) -> Acceptance:
-    """AL, draft acceptance rate and per-position rates of a counter delta for a server drafting `k` tokens;
-    MeasurementError when nothing was drafted or the counts are impossible."""
+def acceptance(delta: SpecCounters, k: int, method: str | None = None) -> Acceptance:
+    """AL, draft acceptance rate and per-position rates of a counter delta for a server drafting `k` tokens with
+    `method` (DFlash must export per-position counts); MeasurementError when nothing was drafted or the counts are
+    impossible."""
     if not delta.present:
         raise MeasurementError(
             "the server exports no spec_decode counters: it runs without speculative decoding",
             "serve with --speculative-config (validate sets it when it launches the server)",
         )
-    problem = count_problem(delta.drafts, delta.draft_tokens, delta.accepted, delta.per_position, k)
+    problem = rules.count_problem(
+        delta.drafts,
+        delta.draft_tokens,
+        delta.accepted,
+        delta.per_position,
+        k,
+        rules.per_position_required(method),
+    )
     if problem is not None:
-        if delta.drafts <= 0:
+        if delta.drafts == 0:
             raise MeasurementError(problem, "check the speculative config and that the prompts produced output tokens")
         raise MeasurementError(f"impossible /metrics counts: {problem}", _MALFORMED_HINT)
     return Acceptance(
@@ -284,7 +274,7 @@ def cut_drafts_line(acc: Acceptance, max_num_seqs: int | None, budget: int | Non
     """One line when vLLM drafted fewer than k tokens per draft on average (its token budget cut them), saying which
     serve argument to raise and to what, from k and max_num_seqs (as the serve args state them; None: not given)."""
     k = acc.num_speculative_tokens
-    if k <= 0 or acc.mean_draft_tokens >= k - _EPS:
+    if k <= 0 or acc.mean_draft_tokens >= k:
         return None
     said = f"vLLM cut the drafts: {acc.mean_draft_tokens:.2f} of k = {k} draft tokens per draft on average"
     if max_num_seqs is None:

@@ -35,8 +35,10 @@ def _read_jsonl(lines: Sequence[str], source: str) -> list[Prompt]:
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ManifestError(f"{source}:{n}: not JSON: {exc}", "one JSON object per line") from None
+        except RecursionError:
+            raise ManifestError(f"{source}:{n}: nests deeper than any prompt", "one JSON object per line") from None
+        except ValueError as exc:  # JSONDecodeError, or an integer of thousands of digits
+            raise ManifestError(f"{source}:{n}: not JSON: {str(exc)[:200]}", "one JSON object per line") from None
         if not isinstance(row, dict):
             raise ManifestError(f"{source}:{n}: not a JSON object", "one JSON object per line")
         # Our own format: "prompt"; MT-Bench style: "turns" (first turn); HumanEval: "prompt" + "task_id".

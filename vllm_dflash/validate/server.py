@@ -14,27 +14,28 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 import zipfile
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash import proc
+from vllm_dflash import proc, urls
 from vllm_dflash import provenance as prov
 from vllm_dflash.errors import MeasurementError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import DEFAULT_HEALTH_TIMEOUT_S, Profile
+from vllm_dflash.pipeline.wheelfile import inspect_wheel, normalize
+from vllm_dflash.validate import client
 
 LOG_TAIL_LINES = 40
 
 # How the served code is tied to the artifact a report names (README "Validate on a GPU node"):
 BINDING_INSTALLED = "installed"  # validate launched the server from an environment holding exactly the wheel's files
 BINDING_IMAGE = "image"  # validate launched the server from the image with this content ID
-BINDING_DECLARED = "declared"  # an endpoint validate did not start, whose /version equals the named wheel's
+BINDING_DECLARED = "declared"  # an endpoint validate did not start, whose /version equals the named wheel's or image's
 BINDING_NONE = "none"  # no artifact named (nothing to publish)
 BINDINGS = (BINDING_INSTALLED, BINDING_IMAGE, BINDING_DECLARED, BINDING_NONE)
 
@@ -111,29 +112,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def check_url(url: str, flag: str) -> str:
-    """An http(s) URL with a host, checked before anything is started; MeasurementError otherwise."""
-    from urllib.parse import urlparse
+def check_url(url: str, flag: str) -> tuple[str, str | None]:
+    """The server's base URL (normalised: no trailing `/` or `/v1`) and a note when it was changed, checked before
+    anything is started; MeasurementError otherwise (urls.endpoint says what is refused and why)."""
+    return urls.endpoint(url, flag, MeasurementError)
 
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise MeasurementError(f"{flag} {url} is not an http(s):// URL with a host", "write e.g. http://127.0.0.1:8000")
-    try:
-        parsed.port  # noqa: B018 -- raises on a malformed port
-    except ValueError:
-        raise MeasurementError(f"{flag} {url} has a malformed port", "write e.g. http://127.0.0.1:8000") from None
-    return url.rstrip("/")
+
+HEALTH_POLL_S = 5.0  # one /health request's deadline (and never more than what is left of --health-timeout)
+SMALL_ANSWER = 1 << 20  # /health and /version are a few bytes
 
 
 def http_get(url: str, timeout_s: float = 10.0) -> tuple[int, bytes]:
-    """Status and body of a GET; (0, b'') when nothing answers."""
+    """Status and body of a GET answered in full within `timeout_s` seconds in total; (0, b'') when nothing (or
+    not all of it) came in time."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return int(resp.status), resp.read(1 << 20)  # /health and /version are a few bytes: never read on
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), b""
-    except (urllib.error.URLError, TimeoutError, OSError):
+        resp = client.request("GET", url, timeout_s, SMALL_ANSWER)
+    except client.TransportError:
         return 0, b""
+    return resp.status, resp.body
 
 
 def tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
@@ -152,7 +148,8 @@ def wait_for_health(
     """Poll `/health` until it answers 200; seconds waited. MeasurementError (with the log tail) on death/timeout."""
     start = time.monotonic()
     while True:
-        status, _ = http_get(base_url.rstrip("/") + "/health", timeout_s=5.0)
+        left = timeout_s - (time.monotonic() - start)
+        status, _ = http_get(base_url.rstrip("/") + "/health", timeout_s=max(0.1, min(HEALTH_POLL_S, left)))
         if status == 200:
             return time.monotonic() - start
         if alive is not None and not alive():
@@ -205,6 +202,7 @@ for d in md.distributions():
 build = pkg.parent / sys.argv[1]  # the provenance document's path inside the package (provenance.PATH)
 print(json.dumps({
     "location": str(pkg),
+    "root": str(dist.locate_file("")) if dist else None,
     "name": dist.metadata["Name"] if dist else None,
     "version": dist.version if dist else None,
     "record": dist.read_text("RECORD") if dist else None,
@@ -216,6 +214,7 @@ print(json.dumps({
 @dataclass(frozen=True)
 class InstalledVllm:
     location: str
+    root: str | None  # the directory the distribution's files are installed relative to (site-packages)
     name: str | None
     version: str | None
     record: str | None
@@ -227,7 +226,15 @@ def installed_vllm(python: Path, env: Mapping[str, str] | None = None) -> Instal
     out = proc.call(
         python, "-c", _INSTALLED_PROBE, prov.PATH, env=env, capture=True, error=MeasurementError, quiet=True
     ).stdout
-    data = json.loads(out.strip().splitlines()[-1])
+    try:
+        data = json.loads((out.strip().splitlines() or [""])[-1])
+    except ValueError:
+        data = {}
+    if data == {} or (data is not None and not isinstance(data, dict)):
+        raise MeasurementError(
+            f"{python} did not answer the probe of its vLLM (not a Python interpreter?)",
+            "pass --python the interpreter of the environment that holds the wheel",
+        )
     if data is None:
         raise MeasurementError(f"{python} cannot import vllm", "install the wheel to validate into that environment")
     raw = data.pop("build_info")
@@ -236,56 +243,117 @@ def installed_vllm(python: Path, env: Mapping[str, str] | None = None) -> Instal
     return InstalledVllm(**data)
 
 
-def _record_entries(text: str) -> dict[str, str]:
-    """path -> hash for every hashed RECORD row."""
+def installed_problem(installed: InstalledVllm, wheel: Path) -> str | None:
+    """None when every file `wheel` ships is installed, on disk, with the bytes the wheel holds (hashed now, and equal
+    to the wheel's RECORD); else what differs. An installed file edited after the install is a difference: pip's
+    RECORD text would still "match" then, the code would not. Console scripts and `.data/{scripts,headers,data}`
+    are rewritten or placed elsewhere by the installer and are not compared; the package files are."""
+    got = inspect_wheel(wheel, MeasurementError)
+    if installed.root is None or installed.name is None or normalize(installed.name) != got.project:
+        return f"it is {installed.name} {installed.version}, not {got.name}"
+    if installed.version != got.version:
+        return f"it is version {installed.version}, the wheel {got.version}"
+    return _files_differ(Path(installed.root), wheel, got.dist_info, got.record)
+
+
+def _files_differ(root: Path, wheel: Path, dist_info: str, record_bytes_: bytes) -> str | None:
+    """Each package member of `wheel` against the file at its place under `root` and its RECORD row (sha256)."""
+    import base64
     import csv
+    import hashlib
     import io
 
-    rows = csv.reader(io.StringIO(text))
-    return {r[0]: r[1] for r in rows if len(r) >= 2 and r[1]}
-
-
-def wheel_record(wheel: Path) -> str:
+    rows = {r[0]: r[1] for r in csv.reader(io.StringIO(record_bytes_.decode("utf-8", errors="replace"))) if len(r) >= 2}
+    data_dir = dist_info.removesuffix(".dist-info") + ".data/"
+    checked = 0
     with zipfile.ZipFile(wheel) as zf:
-        name = next((n for n in zf.namelist() if n.endswith(".dist-info/RECORD")), None)
-        if name is None:
-            raise MeasurementError(f"{wheel.name} has no RECORD", "pass a wheel built by a standard tool")
-        return zf.read(name).decode()
+        for info in zf.infolist():
+            name = info.filename
+            if name.endswith("/") or name == f"{dist_info}/RECORD":
+                continue
+            rel = name
+            if name.startswith(data_dir):
+                kind, _, rest = name[len(data_dir) :].partition("/")
+                if kind not in ("purelib", "platlib"):
+                    continue
+                rel = rest
+            want = rows.get(name, "")
+            h = hashlib.sha256()
+            try:
+                with zf.open(info) as member:
+                    while chunk := member.read(1 << 20):
+                        h.update(chunk)
+            except (
+                zipfile.BadZipFile,
+                zlib.error,
+                EOFError,
+                OSError,
+                ValueError,
+                RuntimeError,
+                NotImplementedError,
+            ) as exc:
+                return f"the wheel's {name} cannot be read ({str(exc)[:120]})"
+            digest = "sha256=" + base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
+            if want != digest:
+                return f"the wheel's RECORD says {want or 'nothing'} for {name}, its bytes hash to {digest}"
+            disk = root / rel
+            if disk.is_symlink() or not disk.is_file():
+                return f"{rel} is not installed as a file under {root}"
+            if sha256_file(disk) != h.hexdigest():
+                return f"the installed {disk} is not the wheel's {name} (edited or replaced after the install)"
+            checked += 1
+    return None if checked else f"{wheel.name} ships no files to compare"
 
 
 def installed_matches_wheel(installed: InstalledVllm, wheel: Path) -> bool:
-    """True when every file the wheel ships is installed with the same hash (pip only adds rows to RECORD)."""
-    if installed.record is None:
-        return False
-    have = _record_entries(installed.record)
-    want = _record_entries(wheel_record(wheel))
-    return bool(want) and all(have.get(path) == digest for path, digest in want.items())
+    """True when every file the wheel ships is installed with the wheel's bytes (installed_problem)."""
+    return installed_problem(installed, wheel) is None
+
+
+def same_version(a: str, b: str) -> bool:
+    """Equal as PEP 440 versions (`+dflash.01` is `+dflash.1`); a string that is no version equals only itself."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(a) == Version(b)
+    except InvalidVersion:
+        return a == b
 
 
 def wheel_version(wheel: Path) -> str:
-    from packaging.utils import parse_wheel_filename
-
-    return str(parse_wheel_filename(wheel.name)[1])
+    """The version the wheel's own METADATA states."""
+    return inspect_wheel(wheel, MeasurementError).version
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The three ways to reach a server
 
 
-def _stop_group(popen: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
-    """SIGTERM the server's process group (vLLM forks engine workers), then SIGKILL what is left."""
+STOP_GRACE_S = 30.0  # a server asked to stop frees its GPU memory before it exits: give it time ...
+INTERRUPT_GRACE_S = 5.0  # ... unless the user pressed Ctrl-C: then seconds, and SIGKILL after
+
+
+def _stop_group(popen: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the server's process group (vLLM forks engine workers), then SIGKILL what is left after `grace_s`
+    (at once when Ctrl-C interrupts the wait: the server never outlives the command)."""
     import signal
+
+    def kill(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(popen.pid, sig)
 
     if popen.poll() is not None:
         return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(popen.pid, signal.SIGTERM)
+    kill(signal.SIGTERM)
     try:
         popen.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(popen.pid, signal.SIGKILL)
+        kill(signal.SIGKILL)
         popen.wait(timeout=30)
+    except KeyboardInterrupt:
+        kill(signal.SIGKILL)
+        popen.wait(timeout=30)
+        raise
 
 
 def serve_command(
@@ -321,9 +389,11 @@ def launch_subprocess(
     installed = installed_vllm(python, env)
     binding, sha = "none", None
     if wheel is not None:
-        if not installed_matches_wheel(installed, wheel):
+        problem = installed_problem(installed, wheel)
+        if problem is not None:
             raise MeasurementError(
-                f"the vLLM installed for {python} ({installed.name} {installed.version}) is not {wheel.name}",
+                f"the vLLM installed for {python} ({installed.name} {installed.version}) is not {wheel.name}: "
+                f"{problem}",
                 f"pip install --force-reinstall --no-deps {wheel} into that environment, or drop --wheel",
             )
         binding, sha = BINDING_INSTALLED, sha256_file(wheel)
@@ -350,8 +420,11 @@ def launch_subprocess(
         waited = wait_for_health(base_url, spec.health_timeout_s, lambda: popen.poll() is None, lambda: tail(log_path))
         print(f"server up at {base_url} after {waited:.0f} s (log: {log_path})", flush=True)
         yield RunningServer(base_url=base_url, provenance=provenance, log_path=log_path)
+    except KeyboardInterrupt:
+        _stop_group(popen, INTERRUPT_GRACE_S)
+        raise
     finally:
-        _stop_group(popen)
+        _stop_group(popen)  # returns at once when the server is already stopped
 
 
 @dataclass(frozen=True)
@@ -394,6 +467,22 @@ def image_id(tool: str, image: str) -> str:
     return out if out.startswith("sha256:") else f"sha256:{out}"
 
 
+def image_version(tool: str, image: str) -> tuple[str, str | None]:
+    """The image's ID and the version its OCI label declares (None: no label), from one inspect of it."""
+    from vllm_dflash.errors import DflashError
+    from vllm_dflash.pipeline.image import LABEL_VERSION, ImageOptions, image_labels, inspect_image
+
+    try:
+        info = inspect_image(tool, ImageOptions(), image)
+    except DflashError as exc:
+        raise MeasurementError(f"cannot inspect image {image}: {exc.message}", f"build or pull {image} first") from None
+    except ValueError as exc:
+        raise MeasurementError(f"cannot inspect image {image}: {exc}", f"build or pull {image} first") from None
+    found = str(info.get("Id") or "")
+    digest = found if found.startswith("sha256:") else f"sha256:{found}"
+    return digest, image_labels(info).get(LABEL_VERSION)
+
+
 @contextlib.contextmanager
 def launch_container(
     spec: LaunchSpec, opts: ContainerOptions, host: str = "127.0.0.1", port: int | None = None
@@ -401,7 +490,9 @@ def launch_container(
     digest = image_id(opts.tool, opts.image)
     port = port or free_port(host)
     name = f"vllm-dflash-validate-{uuid.uuid4().hex[:8]}"
-    proc.call(*container_run_command(opts, spec, name, host, port), error=MeasurementError, capture=True)
+    # Run the very image that was inspected, by its ID: the tag may be moved to another image in between.
+    by_id = ContainerOptions(**{**opts.__dict__, "image": digest})
+    proc.call(*container_run_command(by_id, spec, name, host, port), error=MeasurementError, capture=True)
     base_url = f"http://{host}:{port}"
 
     def alive() -> bool:
@@ -447,7 +538,7 @@ def use_endpoint(
                 file=sys.stderr,
                 flush=True,
             )
-        elif version != wheel_version(wheel):
+        elif not same_version(version, wheel_version(wheel)):
             raise MeasurementError(
                 f"{base_url} runs vLLM {version}, but --wheel {wheel.name} is version {wheel_version(wheel)}",
                 "serve the wheel you want to validate, or launch it with validate's subprocess mode",
@@ -455,7 +546,23 @@ def use_endpoint(
         else:
             kind, name, sha, binding = "wheel", wheel.name, sha256_file(wheel), BINDING_DECLARED
     elif image is not None:
-        kind, name, sha, binding = "image", image, image_id(tool, image), BINDING_DECLARED
+        # As for a wheel: the version the endpoint reports must be the one the image declares (its OCI version
+        # label, read from the inspected image together with its ID); else nothing ties the two.
+        inspected, declared = image_version(tool, image)
+        if version is None or declared is None:
+            print(
+                f"warning: {base_url} answers no /version, or --image {image} declares no version label: nothing "
+                "ties the endpoint to it, so the report names no artifact (launch it with --image to bind it)",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif not same_version(version, declared):
+            raise MeasurementError(
+                f"{base_url} runs vLLM {version}, but --image {image} declares version {declared}",
+                "serve the image you want to validate, or launch it with validate's container mode",
+            )
+        else:
+            kind, name, sha, binding = "image", image, inspected, BINDING_DECLARED
     yield RunningServer(
         base_url=base_url,
         provenance=Provenance(

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from vllm_dflash import __version__
 from vllm_dflash import report as reports
 from vllm_dflash.errors import MeasurementError
 from vllm_dflash.manifest import Profile
-from vllm_dflash.validate import metrics
+from vllm_dflash.validate import client, metrics
 from vllm_dflash.validate.gates import Verdict, condition_gates, judge
 from vllm_dflash.validate.promptsets import Prompt, load_prompts, own_prompt_set, profile_prompts, prompts_digest
 from vllm_dflash.validate.render import render
@@ -91,75 +92,146 @@ def _busy_time(intervals: Sequence[tuple[float, float]]) -> float:
     return total
 
 
-def check_model(client: Any, model: str, base_url: str) -> None:
+ANSWER_LIMIT = 16 << 20  # a chat completion of a few thousand tokens is kilobytes; an endless one is no answer
+MODELS_DEADLINE_S = 30.0
+
+
+def _headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {os.environ.get('VLLM_API_KEY', 'EMPTY')}", "Content-Type": "application/json"}
+
+
+def _json(resp: client.Response) -> Any:
     try:
-        served = [m.id for m in client.models.list().data]
-    except Exception as exc:  # the client raises its own hierarchy; any failure here means no usable API
-        raise MeasurementError(f"{base_url}/v1/models failed: {exc}", "check that it is a vLLM OpenAI server") from None
+        return json.loads(resp.body)
+    except (ValueError, RecursionError):
+        return None
+
+
+def check_model(base_url: str, model: str) -> None:
+    url = f"{base_url.rstrip('/')}/v1/models"
+    try:
+        resp = client.request("GET", url, MODELS_DEADLINE_S, ANSWER_LIMIT, headers=_headers())
+    except client.TransportError as exc:
+        raise MeasurementError(f"{url} failed: {exc}", "check that it is a vLLM OpenAI server") from None
+    doc = _json(resp)
+    rows = doc.get("data") if resp.status == 200 and isinstance(doc, dict) else None
+    if not isinstance(rows, list):
+        raise MeasurementError(
+            f"{url} failed: HTTP {resp.status}, not a list of models", "check that it is a vLLM OpenAI server"
+        )
+    served = [str(m.get("id")) for m in rows if isinstance(m, dict)]
     if model not in served:
         raise MeasurementError(
-            f"{base_url} serves {served}, not the profile's model '{model}'",
+            f"{base_url} serves {served[:20]}, not the profile's model '{model}'",
             "serve the profile's model (or set served_model_name in the profile)",
         )
 
 
+def _completion(resp: client.Response) -> tuple[str, int] | None:
+    """(text, completion tokens) of an OpenAI chat completion; None when it is not one."""
+    doc = _json(resp)
+    if resp.status != 200 or not isinstance(doc, dict):
+        return None
+    choices, usage = doc.get("choices") or [], doc.get("usage") or {}
+    if not isinstance(choices, list) or not isinstance(usage, dict):
+        return None
+    message = choices[0].get("message") if choices and isinstance(choices[0], dict) else {}
+    text = message.get("content") if isinstance(message, dict) else None
+    tokens = usage.get("completion_tokens", 0)
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        return None
+    return (text if isinstance(text, str) else ""), tokens
+
+
+def request_deadline(profile: Profile) -> float:
+    """How long one chat completion may take in total: generous for max_tokens on a loaded server."""
+    return max(600.0, profile.max_tokens * 2.0)
+
+
 def run_prompts(base_url: str, profile: Profile, prompts: Sequence[Prompt], show_progress: bool = True) -> RunResult:
-    """Send every prompt as a chat completion (greedy unless the profile says otherwise) with bounded concurrency.
+    """Send every prompt as a chat completion (greedy unless the profile says otherwise), `profile.concurrency` at
+    a time, each with a total deadline (client.py).
 
     With concurrency 1 the requests run one after another and /metrics is scraped after each, so every prompt's own
-    drafts and acceptances are known (per-prompt acceptance lengths, not only the pooled one)."""
-    from openai import OpenAI
+    drafts and acceptances are known (per-prompt acceptance lengths, not only the pooled one). The requests run in
+    daemon threads of one client.Session: a failed request, or Ctrl-C in the waiting main thread, aborts every
+    request in flight at once (never a wait for the slowest one) and nothing more is sent."""
     from rich.progress import Progress
 
-    client = OpenAI(
-        base_url=base_url.rstrip("/") + "/v1",
-        api_key=os.environ.get("VLLM_API_KEY", "EMPTY"),
-        max_retries=0,
-        timeout=max(600.0, profile.max_tokens * 2.0),
-        # One connection per request: a pooled keep-alive connection that the server has just closed as idle fails
-        # the request before it reaches vLLM ("Connection error", seen once in a batched run), and a retry could
-        # count a request twice, so none is reused instead.
-        default_headers={"Connection": "close"},
-    )
-    check_model(client, profile.model_name, base_url)
+    check_model(base_url, profile.model_name)
     extra_body: dict[str, Any] = {"chat_template_kwargs": profile.template_kwargs}
     if profile.ignore_eos:
         extra_body["ignore_eos"] = True
+    url = f"{base_url.rstrip('/')}/v1/chat/completions"
+    session = client.Session()
+    deadline = request_deadline(profile)
 
     def one(prompt: Prompt) -> Completion:
+        body = {
+            "model": profile.model_name,
+            "messages": [{"role": "user", "content": prompt.text}],
+            "max_tokens": profile.max_tokens,
+            "temperature": profile.temperature,
+            "seed": 0,
+            **extra_body,
+        }
         start = time.monotonic()
         try:
-            resp = client.chat.completions.create(
-                model=profile.model_name,
-                messages=[{"role": "user", "content": prompt.text}],
-                max_tokens=profile.max_tokens,
-                temperature=profile.temperature,
-                seed=0,
-                extra_body=extra_body,
-            )
-        except Exception as exc:  # a request that fails means the run cannot be measured as a whole
+            resp = session.request("POST", url, deadline, ANSWER_LIMIT, json.dumps(body).encode(), _headers())
+        except client.TransportError as exc:
             raise MeasurementError(f"request for prompt {prompt.id} failed: {exc}", "check the server log") from None
         end = time.monotonic()
-        text = resp.choices[0].message.content or "" if resp.choices else ""
-        tokens = resp.usage.completion_tokens if resp.usage else 0
-        counters = metrics.scrape(base_url) if profile.concurrency == 1 else None
-        return Completion(prompt.id, text, tokens, start, end, counters)
+        got = _completion(resp)
+        if got is None:
+            said = resp.body[:200].decode(errors="replace")
+            raise MeasurementError(
+                f"request for prompt {prompt.id} failed: HTTP {resp.status}: {said}", "check the server log"
+            )
+        counters = metrics.scrape(base_url, session=session) if profile.concurrency == 1 else None
+        return Completion(prompt.id, got[0], got[1], start, end, counters)
 
-    results: list[Completion] = []
-    with (
-        ThreadPoolExecutor(max_workers=profile.concurrency) as pool,
-        Progress(transient=True, disable=not show_progress) as progress,
-    ):
+    results: list[Completion | None] = [None] * len(prompts)
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    queue = iter(enumerate(prompts))
+
+    def worker() -> None:
+        while not session.aborted.is_set():
+            with lock:
+                item = next(queue, None)
+            if item is None:
+                return
+            try:
+                results[item[0]] = one(item[1])
+            except BaseException as exc:  # recorded for the main thread, which raises it
+                with lock:
+                    errors.append(exc)
+                session.abort()
+                return
+
+    threads = [
+        threading.Thread(target=worker, daemon=True) for _ in range(max(1, min(profile.concurrency, len(prompts))))
+    ]
+    with Progress(transient=True, disable=not show_progress) as progress:
         task = progress.add_task(f"{len(prompts)} prompts", total=len(prompts))
-        for completion in pool.map(one, prompts):
-            results.append(completion)
-            progress.advance(task)
-    if not results:
+        try:
+            for t in threads:
+                t.start()
+            while alive := [t for t in threads if t.is_alive()]:
+                alive[0].join(0.2)  # a bounded wait: Ctrl-C reaches this thread at once
+                progress.update(task, completed=sum(r is not None for r in results))
+        except BaseException:
+            session.abort()
+            for t in threads:
+                t.join(2.0)
+            raise
+    if errors:
+        raise errors[0]
+    done = [r for r in results if r is not None]
+    if not done:
         raise MeasurementError("no prompts were sent", "give the profile a non-empty prompt set")
-    first, last = min(c.start for c in results), max(c.end for c in results)
-    return RunResult(
-        completions=tuple(results), wall_s=last - first, busy_s=_busy_time([(c.start, c.end) for c in results])
-    )
+    first, last = min(c.start for c in done), max(c.end for c in done)
+    return RunResult(completions=tuple(done), wall_s=last - first, busy_s=_busy_time([(c.start, c.end) for c in done]))
 
 
 def _now() -> str:
@@ -313,8 +385,8 @@ def _matching(got: Mapping[str, str], want: Mapping[str, str]) -> dict[str, Any]
     return {"matches": matches, "rate": matches / len(want) if want else 0.0, "mismatches": mismatches}
 
 
-def _comparison(m: Measurement, reference: Reference | None, k: int) -> dict[str, Any]:
-    acc = metrics.acceptance(m.delta, k)
+def _comparison(m: Measurement, reference: Reference | None, k: int, method: str) -> dict[str, Any]:
+    acc = metrics.acceptance(m.delta, k, method)
     out: dict[str, Any] = {"server": dict(m.server), "counters": m.delta.as_dict(), "acceptance": acc.as_dict()}
     out["throughput"] = {
         "output_tokens": m.run.output_tokens,
@@ -396,7 +468,7 @@ def validate(
             "tokens_per_s": m.run.tokens_per_s,
         }
         # MeasurementError on no speculation, zero drafts, or counts no vLLM can produce.
-        acc = metrics.acceptance(delta, profile.num_speculative_tokens)
+        acc = metrics.acceptance(delta, profile.num_speculative_tokens, profile.method)
         body["acceptance"] = acc.as_dict()
         serving = body["serving"]
         serving["observed_in_metrics"] = dict(m.before.observed) or None
@@ -424,7 +496,7 @@ def validate(
                 body["mismatch_analysis"] = ref.explain(lossless["mismatches"], m.texts())
         if others:
             body["comparisons"] = {
-                name: _comparison(o, ref, profile.num_speculative_tokens) for name, o in others.items()
+                name: _comparison(o, ref, profile.num_speculative_tokens, profile.method) for name, o in others.items()
             }
         body["per_prompt"] = _per_prompt(m, others, ref)
         verdicts = judge(profile, acc, match_rate, ref.acceptance_length if ref is not None else None)

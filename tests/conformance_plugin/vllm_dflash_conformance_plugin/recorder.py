@@ -13,7 +13,8 @@ append one JSON line per request block to the file named by $VLLM_DFLASH_RECORD_
 map a block to its request by its prompt and check that against the block's positions and bonus token.
 
 Under tensor parallelism every rank runs the drafter; only tensor-parallel rank 0 records (its logits are gathered).
-Nothing is changed: every wrapper returns what the wrapped method returns.
+Nothing is changed: every wrapper returns what the wrapped method returns (unless $VLLM_DFLASH_RECORDER_PERTURB=1,
+which only the test that the run catches a proposal other than the drafter's argmax sets).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import os
 from typing import Any
 
 RECORD_FILE_VAR = "VLLM_DFLASH_RECORD_FILE"
+# Test-only, for the test that the run catches it: "1" makes propose() return, for every request, a first draft id
+# one above what the drafter computed (so not the argmax of the logits it recorded); vLLM then verifies those ids.
+PERTURB_VAR = "VLLM_DFLASH_RECORDER_PERTURB"
 _state: dict[str, Any] = {"active": False, "block": None, "logits": None, "call": 0, "runner": None}
 
 
@@ -42,15 +46,19 @@ def _tp_rank() -> int:
         return 0
 
 
-def _requests(batch: int) -> list[dict[str, Any]]:
+def _lists(x: Any) -> Any:
+    """A tensor as plain (nested) lists of Python numbers (a bf16 tensor's too); anything else as it is."""
+    return x.detach().cpu().tolist() if hasattr(x, "detach") else x
+
+
+def requests_of(runner: Any, batch: int) -> list[dict[str, Any]]:
     """What the model runner that called the proposer says the batch's requests are, in its batch order (None
     entries when it cannot tell: the driver then maps by content alone)."""
-    runner = _state["runner"]
-    out: list[dict[str, Any]] = []
     try:
-        req_ids = list(runner.input_batch.req_ids[:batch])  # type: ignore[union-attr]
+        req_ids = list(runner.input_batch.req_ids[:batch])
     except AttributeError:
         return [{"req_id": None, "prompt_len": None, "prompt_sha": None}] * batch
+    out: list[dict[str, Any]] = []
     for rid in req_ids:
         state = getattr(runner, "requests", {}).get(rid)
         prompt = list(getattr(state, "prompt_token_ids", None) or [])
@@ -58,63 +66,111 @@ def _requests(batch: int) -> list[dict[str, Any]]:
     return out
 
 
+def block_lines(
+    drafts: list[list[int]],
+    ids: list[int],
+    pos: list[int],
+    rows: list[list[float]],
+    requests: list[dict[str, Any]],
+    call: int,
+    pid: int,
+) -> list[dict[str, Any]]:
+    """One line per request block of a proposal step: request i's block is at query rows i*(k+1).., its logits at
+    rows i*k.., and its draft ids are `drafts[i]` -- what propose() returned, never recomputed from the logits."""
+    batch = len(drafts)
+    k = len(drafts[0]) if batch else 0
+    if len(rows) < batch * k or len(ids) < batch * (k + 1):
+        raise RuntimeError(
+            f"dflash recorder: a proposal step of {batch} request(s) x {k} drafts came with {len(ids)} block "
+            f"tokens and {len(rows)} logit rows"
+        )
+    lines = []
+    for i, req in enumerate(requests[:batch]):
+        lo = i * (k + 1)
+        lines.append(
+            {
+                "pid": pid,
+                "call": call,
+                "index": i,
+                "batch": batch,
+                **req,
+                "block_input_ids": ids[lo : lo + k + 1],
+                "block_positions": pos[lo : lo + k + 1],
+                "logits": rows[i * k : (i + 1) * k],
+                "draft_ids": drafts[i],
+            }
+        )
+    return lines
+
+
 def _write(draft_ids: Any) -> None:
     path = os.environ.get(RECORD_FILE_VAR)
     block, logits = _state["block"], _state["logits"]
     if not path or block is None or logits is None or draft_ids is None or _tp_rank() != 0:
         return
-    drafts = draft_ids.detach().cpu().tolist()
-    batch = len(drafts)
-    k = len(drafts[0]) if batch else 0
-    ids, pos = block
-    rows = logits.detach().float().cpu()
-    if rows.shape[0] < batch * k or len(ids) < batch * (k + 1):
-        raise RuntimeError(
-            f"dflash recorder: a proposal step of {batch} request(s) x {k} drafts came with {len(ids)} block "
-            f"tokens and {rows.shape[0]} logit rows"
-        )
+    drafts = _lists(draft_ids)
     _state["call"] += 1
-    lines = []
-    for i, req in enumerate(_requests(batch)):
-        lo = i * (k + 1)
-        lines.append(
-            json.dumps(
-                {
-                    "pid": os.getpid(),
-                    "call": _state["call"],
-                    "index": i,
-                    "batch": batch,
-                    **req,
-                    "block_input_ids": ids[lo : lo + k + 1],
-                    "block_positions": pos[lo : lo + k + 1],
-                    "logits": rows[i * k : (i + 1) * k].tolist(),
-                    "draft_ids": drafts[i],
-                }
-            )
-        )
+    lines = block_lines(
+        drafts, block[0], block[1], _lists(logits), requests_of(_state["runner"], len(drafts)), _state["call"],
+        os.getpid(),
+    )  # fmt: skip
     with open(path, "a") as f:
-        f.write("".join(line + "\n" for line in lines))
+        f.write("".join(json.dumps(line) + "\n" for line in lines))
 
 
-def install() -> None:
-    if not os.environ.get(RECORD_FILE_VAR):
+def _layout(runner: Any) -> dict[str, Any]:
+    """What the served drafter attends with, read from the loaded models: each drafter layer's backend window
+    (left, right) as its attention implementation holds it, and the target layers whose input the target records
+    for the drafter (vLLM's aux indices)."""
+    drafter = getattr(getattr(runner, "drafter", None), "model", None)
+    inner = getattr(drafter, "model", None)
+    windows = []
+    for layer in getattr(inner, "layers", []):
+        impl = getattr(getattr(getattr(layer, "self_attn", None), "attn", None), "impl", None)
+        window = getattr(impl, "sliding_window", None)
+        windows.append(list(window) if isinstance(window, (tuple, list)) else window)
+    target = getattr(runner, "model", None)
+    aux = getattr(getattr(target, "model", target), "aux_hidden_state_layers", None)
+    if aux is None and hasattr(target, "get_language_model"):
+        aux = getattr(getattr(target.get_language_model(), "model", None), "aux_hidden_state_layers", None)
+    return {"windows": windows, "aux_layers": None if aux is None else [int(a) for a in aux]}
+
+
+def _write_layout(runner: Any) -> None:
+    """One {"layout": ...} line per record file (per case), before its first proposal."""
+    path = os.environ.get(RECORD_FILE_VAR)
+    if not path or _state.get("layout_for") == path or _tp_rank() != 0:
         return
-    from vllm.model_executor.models import qwen3_dflash
-    from vllm.v1.spec_decode import dflash
-    from vllm.v1.worker import gpu_model_runner
+    _state["layout_for"] = path
+    with open(path, "a") as f:
+        f.write(json.dumps({"layout": _layout(runner)}) + "\n")
 
-    cls = qwen3_dflash.DFlashQwen3ForCausalLM
-    if getattr(cls, "_vllm_dflash_recorder", False):
+
+def perturbed(draft_ids: Any, vocab: int) -> Any:
+    """`draft_ids` with every request's first id moved one up (mod the vocabulary): a proposal that is not the
+    drafter's argmax, of the type propose() returns (a tensor, or lists)."""
+    if hasattr(draft_ids, "clone"):
+        out = draft_ids.clone()
+        out[:, 0] = (out[:, 0] + 1) % vocab
+        return out
+    return [[(int(r[0]) + 1) % vocab, *r[1:]] for r in draft_ids]
+
+
+def wrap(model_cls: Any, proposer_cls: Any, runner_cls: Any) -> None:
+    """Wrap the drafter model's forward/compute_logits, the proposer's propose and the runner's
+    propose_draft_token_ids (once per class); every wrapper returns what the wrapped method returns, except that
+    PERTURB_VAR makes propose() return perturbed() ids."""
+    if getattr(model_cls, "_vllm_dflash_recorder", False):
         return
-    orig_forward = cls.forward
-    orig_logits = cls.compute_logits
-    orig_propose = dflash.DFlashProposer.propose
-    runner_cls = gpu_model_runner.GPUModelRunner  # the CPU runner subclasses it and keeps this method
+    orig_forward = model_cls.forward
+    orig_logits = model_cls.compute_logits
+    orig_propose = proposer_cls.propose
     orig_runner_propose = runner_cls.propose_draft_token_ids
 
     @functools.wraps(orig_runner_propose)
     def runner_propose(self: Any, *args: Any, **kwargs: Any) -> Any:
         _state["runner"] = self  # the proposer keeps no reference to its runner: remember who called it
+        _write_layout(self)
         try:
             return orig_runner_propose(self, *args, **kwargs)
         finally:
@@ -123,7 +179,7 @@ def install() -> None:
     @functools.wraps(orig_forward)
     def forward(self: Any, input_ids: Any, positions: Any, *args: Any, **kwargs: Any) -> Any:
         if _state["active"]:
-            _state["block"] = (input_ids.detach().cpu().tolist(), positions.detach().cpu().tolist())
+            _state["block"] = (_lists(input_ids), _lists(positions))
         return orig_forward(self, input_ids, positions, *args, **kwargs)
 
     @functools.wraps(orig_logits)
@@ -140,12 +196,26 @@ def install() -> None:
             out = orig_propose(self, *args, **kwargs)
         finally:
             _state["active"] = False
+        if os.environ.get(PERTURB_VAR) == "1" and out is not None and _state["logits"] is not None:
+            logits = _state["logits"]
+            out = perturbed(out, int(logits.shape[-1]) if hasattr(logits, "shape") else len(logits[0]))
         _write(out)
         _state.update(block=None, logits=None)
         return out
 
-    cls.forward = forward  # type: ignore[method-assign]
-    cls.compute_logits = compute_logits  # type: ignore[method-assign]
-    dflash.DFlashProposer.propose = propose  # type: ignore[method-assign]
-    runner_cls.propose_draft_token_ids = runner_propose  # type: ignore[method-assign]
-    cls._vllm_dflash_recorder = True
+    model_cls.forward = forward
+    model_cls.compute_logits = compute_logits
+    proposer_cls.propose = propose
+    runner_cls.propose_draft_token_ids = runner_propose
+    model_cls._vllm_dflash_recorder = True
+
+
+def install() -> None:
+    if not os.environ.get(RECORD_FILE_VAR):
+        return
+    from vllm.model_executor.models import qwen3_dflash
+    from vllm.v1.spec_decode import dflash
+    from vllm.v1.worker import gpu_model_runner
+
+    # The CPU runner subclasses GPUModelRunner and keeps propose_draft_token_ids.
+    wrap(qwen3_dflash.DFlashQwen3ForCausalLM, dflash.DFlashProposer, gpu_model_runner.GPUModelRunner)
