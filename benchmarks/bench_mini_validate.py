@@ -5,6 +5,7 @@
                                                                    # environments, both CPU builds, the training,
                                                                    # the reference loop)
     python benchmarks/bench_mini_validate.py --profile mini-cpu-serving --profile mini-cpu-serving-tp2 --swap
+    python benchmarks/bench_mini_validate.py --pin 0.23.0         # another pin's builds (stock / ours / reference)
 
 Per profile: the wall time of the whole command, its phases (from the report's timings: the validated server, the
 stock server, the no-speculation run, the reference loop), the acceptance lengths (stock / ours / reference loop),
@@ -86,7 +87,9 @@ def main() -> int:
     ap.add_argument("--cold", action="store_true", help="run with a fresh, empty VLLM_DFLASH_CACHE")
     ap.add_argument("--profile", action="append", default=None, help="a cpu-builds profile (repeatable)")
     ap.add_argument("--swap", action="store_true", help="also validate the stock wheel (must exit 1)")
+    ap.add_argument("--pin", default=None, help="serve this pin's CPU builds (default: the default pin)")
     args = ap.parse_args()
+    pin = ("--pin", args.pin) if args.pin else ()
     kind = "cold" if args.cold else "warm"
     profiles = args.profile or ["mini-cpu"]
     results: list[dict[str, Any]] = []
@@ -98,7 +101,7 @@ def main() -> int:
             env["VLLM_DFLASH_CACHE"] = str(td / "cache")
         cache = Path(env.get("VLLM_DFLASH_CACHE") or Path.home() / ".cache" / "vllm-dflash")
         for profile in profiles:
-            res, stock_name = _run(profile, env, td, profile)
+            res, stock_name = _run(profile, env, td, profile, *pin)
             results.append(res)
             ok = ok and res["exit_code"] == 0
             print(f"{profile}: {res['wall_s']:.0f} s, exit {res['exit_code']}, AL {res['al']}", flush=True)
@@ -109,7 +112,7 @@ def main() -> int:
                     print(f"no stock wheel {stock_name} under {built}", file=sys.stderr)
                     ok = False
                     continue
-                swapped, _ = _run(profile, env, td, f"{profile}-stock-wheel", "--wheel", str(wheel))
+                swapped, _ = _run(profile, env, td, f"{profile}-stock-wheel", "--wheel", str(wheel), *pin)
                 results.append(swapped)
                 ok = ok and swapped["exit_code"] == 1
                 print(f"{profile} with the stock wheel: {swapped['wall_s']:.0f} s, exit {swapped['exit_code']}")

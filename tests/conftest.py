@@ -38,6 +38,7 @@ HEAVY_FIXTURES = frozenset(
         "real_cache",
         "ref_python",
         "cpu_python",
+        "cpu",
         "podman_store",
         "both_wheels",
         "dflash_wheel",

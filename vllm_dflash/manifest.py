@@ -86,6 +86,27 @@ class Release:
 
 
 @dataclass(frozen=True)
+class Pin:
+    """One vLLM release this distribution serves: its commit, its own hashed artifacts, its own distribution version
+    and its own patch queues (`queue_dir`/series and the CPU runtime queue). The default pin is [upstream] +
+    [artifacts] + VERSION; every other one is a [pins."X.Y.Z"] table whose queues live in patches/X.Y.Z/."""
+
+    version: str
+    tag: str
+    commit: str
+    dist_version: str  # e.g. 0.23.0+dflash.1
+    sdist: Artifact
+    wheels: Mapping[str, Artifact]
+    cpu_wheels: Mapping[str, Artifact]
+    queue_dir: str  # repo-relative: where `series` (the DFlash queue) lives
+    cpu_series: str  # repo-relative path of the CPU runtime queue's series file
+
+    @property
+    def release(self) -> Release:
+        return Release(self.version, self.tag, self.commit, self.sdist)
+
+
+@dataclass(frozen=True)
 class Profile:
     """One validation profile ([profiles.NAME] in dist.toml or a --profile-file)."""
 
@@ -180,6 +201,10 @@ class Manifest:
     publish: PublishPolicy = PublishPolicy()
     source_url: str | None = None  # [distribution].source_url: where this distribution's source lives
     text: str = ""  # dist.toml as read (kept only so `repin` can rewrite it with its comments)
+    # Every pin this distribution serves, the default ([upstream]) first; `for_pin` gives the manifest of one.
+    pins: Mapping[str, Pin] = field(default_factory=dict)
+    default_pin: str = ""  # the [upstream] version (also in a view of another pin)
+    queue_dir: str = "patches"  # this view's DFlash queue directory (patches/ for the default pin)
 
     @property
     def path(self) -> Path:
@@ -191,11 +216,48 @@ class Manifest:
 
     @property
     def series_path(self) -> Path:
-        return self.patches_dir / "series"
+        return confine_relative(self.root, self.queue_dir, "the pin's queue directory") / "series"
 
     @property
     def cpu_series_path(self) -> Path:
         return confine_relative(self.root, self.build.cpu_series, "build.cpu_series")
+
+    @property
+    def pin_name(self) -> str:
+        """The pin this manifest describes (the default one unless `for_pin` chose another)."""
+        return self.upstream.version
+
+    @property
+    def is_default_pin(self) -> bool:
+        return self.upstream.version == (self.default_pin or self.upstream.version)
+
+    def for_pin(self, version: str | None) -> Manifest:
+        """The manifest as the given pin sees it: its upstream, artifacts, distribution version and queues. Every
+        stage reads these fields, so one code path serves every pin. None or the default pin: the default."""
+        from dataclasses import replace
+
+        if version is None:
+            return self
+        name = version.removeprefix("v")
+        pin = self.pins.get(name)
+        if pin is None:
+            known = ", ".join(self.pins) or self.upstream.version
+            raise ManifestError(
+                f"--pin {version}: {MANIFEST_NAME} has no such pin (pins: {known})",
+                f'name one of them, or add a [pins."{name}"] table (its artifacts hashed) and patches/{name}/series',
+            )
+        if name == self.upstream.version:
+            return self
+        return replace(
+            self,
+            upstream=Upstream(self.upstream.git_url, pin.version, pin.tag, pin.commit),
+            sdist=pin.sdist,
+            wheels=pin.wheels,
+            cpu_wheels=pin.cpu_wheels,
+            version=pin.dist_version,
+            build=replace(self.build, cpu_series=pin.cpu_series),
+            queue_dir=pin.queue_dir,
+        )
 
     @property
     def dist_dir(self) -> Path:
@@ -212,10 +274,12 @@ class Manifest:
 
     def release(self, version: str) -> Release | None:
         """A pinned release: [releases."X"], or the current pin itself."""
-        if version in self.releases:
-            return self.releases[version]
         if version == self.upstream.version:
             return Release(version, self.upstream.tag, self.upstream.commit, self.sdist)
+        if version in self.pins:
+            return self.pins[version].release
+        if version in self.releases:
+            return self.releases[version]
         return None
 
 
@@ -268,16 +332,16 @@ def parse_artifact(data: Any, where: str) -> Artifact:
     return Artifact(filename=filename, sha256=sha)
 
 
-def _artifact_map(data: Mapping[str, Any], key: str) -> dict[str, Artifact]:
-    table = _table(data, key, f"artifacts.{key}", required=False)
+def _artifact_map(data: Mapping[str, Any], key: str, where: str = "artifacts") -> dict[str, Artifact]:
+    table = _table(data, key, f"{where}.{key}", required=False)
     out: dict[str, Artifact] = {}
     for machine, entry in table.items():
         if machine not in MACHINES:
             raise ManifestError(
-                f"{MANIFEST_NAME}: [artifacts.{key}.{machine}] names no known platform",
+                f"{MANIFEST_NAME}: [{where}.{key}.{machine}] names no known platform",
                 _did_you_mean(machine, MACHINES),
             )
-        out[machine] = parse_artifact(entry, f"artifacts.{key}.{machine}")
+        out[machine] = parse_artifact(entry, f"{where}.{key}.{machine}")
     return out
 
 
@@ -506,6 +570,54 @@ def _releases(data: Mapping[str, Any]) -> dict[str, Release]:
     return out
 
 
+PINS_DIR = "patches"  # pin X's queues: patches/X/series and patches/X/cpu/series
+
+
+def _check_dist_version(version: str) -> None:
+    if "cpu" in version.split("+", 1)[1]:
+        raise ManifestError(f"local version label in '{version}' contains 'cpu'", "vLLM would treat it as a CPU build")
+
+
+def _pins(data: Mapping[str, Any], upstream: Upstream, default: Pin, releases: Mapping[str, Release]) -> dict[str, Pin]:
+    """The default pin, then every [pins."X"] table, in file order. Each must be a release other than the default;
+    a [releases."X"] entry for the same version must agree with it (one release, one sdist, one commit)."""
+    out = {default.version: default}
+    for version, entry in _table(data, "pins", "pins", required=False).items():
+        where = f'pins."{version}"'
+        if not _RELEASE_VERSION.match(str(version)):
+            raise ManifestError(f"{MANIFEST_NAME}: [{where}] is not a release version like 0.23.0", "fix the key")
+        if version == upstream.version:
+            raise ManifestError(
+                f"{MANIFEST_NAME}: [{where}] repeats the default pin",
+                "the default pin is [upstream] + [artifacts] + VERSION; remove this table",
+            )
+        if not isinstance(entry, Mapping):
+            raise ManifestError(f"{MANIFEST_NAME}: [{where}] must be a table", f"fix [{where}]")
+        _check_keys(entry, ("tag", "commit", "version", "sdist", "wheel", "cpu_wheel"), where)
+        dist_version = parse_version(_str(entry, "version", where), str(version))
+        _check_dist_version(dist_version)
+        queue_dir = f"{PINS_DIR}/{version}"
+        pin = Pin(
+            version=str(version),
+            tag=str(entry.get("tag", f"v{version}")),
+            commit=_commit(_str(entry, "commit", where), where),
+            dist_version=dist_version,
+            sdist=parse_artifact(entry.get("sdist"), f"{where}.sdist"),
+            wheels=_artifact_map(entry, "wheel", where),
+            cpu_wheels=_artifact_map(entry, "cpu_wheel", where),
+            queue_dir=queue_dir,
+            cpu_series=f"{queue_dir}/cpu/series",
+        )
+        rel = releases.get(pin.version)
+        if rel is not None and (rel.sdist != pin.sdist or (rel.commit and rel.commit != pin.commit)):
+            raise ManifestError(
+                f'{MANIFEST_NAME}: [releases."{version}"] and [{where}] name different sdists or commits',
+                "keep one of them (a pin is a known release already)",
+            )
+        out[pin.version] = pin
+    return out
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     return _read_toml_text(path)[0]
 
@@ -527,7 +639,7 @@ def _read_toml_text(path: Path) -> tuple[dict[str, Any], str]:
         raise ManifestError(f"{path} nests arrays or tables deeper than TOML can be read", "flatten it") from None
 
 
-_TOP_KEYS = ("upstream", "artifacts", "build", "releases", "profiles", "publish", "distribution")
+_TOP_KEYS = ("upstream", "artifacts", "build", "releases", "pins", "profiles", "publish", "distribution")
 
 
 def parse_manifest(data: Mapping[str, Any], version_text: str, root: Path, text: str = "") -> Manifest:
@@ -562,8 +674,7 @@ def parse_manifest(data: Mapping[str, Any], version_text: str, root: Path, text:
     if not _BRANCH.match(branch) or ".." in branch or branch.endswith((".lock", "/")):
         raise ManifestError(f"[build].fork_branch '{branch}' is not a git branch name", "use e.g. dflash/v{version}")
     version = parse_version(version_text, upstream.version)
-    if "cpu" in version.split("+", 1)[1]:
-        raise ManifestError(f"local version label in '{version}' contains 'cpu'", "vLLM would treat it as a CPU build")
+    _check_dist_version(version)
     pub = _table(data, "publish", "publish", required=False)
     _check_keys(pub, ("required_profiles",), "publish")
     required = pub.get("required_profiles", [])
@@ -581,23 +692,32 @@ def parse_manifest(data: Mapping[str, Any], version_text: str, root: Path, text:
     source_url = dist.get("source_url")
     if source_url is not None and not isinstance(source_url, str):
         raise ManifestError("[distribution].source_url must be a string", f"fix {MANIFEST_NAME}")
+    wheels, cpu_wheels, releases = _artifact_map(arts, "wheel"), _artifact_map(arts, "cpu_wheel"), _releases(data)
+    default = Pin(
+        upstream.version, upstream.tag, upstream.commit, version, sdist, wheels, cpu_wheels, PINS_DIR, build.cpu_series
+    )
     manifest = Manifest(
         root=root,
         upstream=upstream,
         sdist=sdist,
-        wheels=_artifact_map(arts, "wheel"),
-        cpu_wheels=_artifact_map(arts, "cpu_wheel"),
+        wheels=wheels,
+        cpu_wheels=cpu_wheels,
         build=build,
         version=version,
         reference=reference,
-        releases=_releases(data),
+        releases=releases,
         profiles=profiles,
         publish=PublishPolicy(tuple(required)),
         source_url=source_url,
         text=text,
+        pins=_pins(data, upstream, default, releases),
+        default_pin=upstream.version,
     )
-    manifest.dist_dir  # noqa: B018 -- confine [build] paths now, not when a stage first uses them
-    manifest.cpu_series_path  # noqa: B018
+    for name in manifest.pins:  # confine every pin's paths now, not when a stage first uses them
+        view = manifest.for_pin(name)
+        view.dist_dir  # noqa: B018
+        view.cpu_series_path  # noqa: B018
+        view.series_path  # noqa: B018
     return manifest
 
 

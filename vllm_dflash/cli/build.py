@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.cli.common import checkout
+from vllm_dflash.cli.common import add_pin_argument, checkout
 from vllm_dflash.errors import ManifestError, PatchError
 from vllm_dflash.manifest import MACHINES
 from vllm_dflash.pipeline.build import BuildOptions, build
@@ -73,12 +73,14 @@ def register(sub: Any) -> None:
     )
     add_source_argument(p)
     add_wheel_arguments(p)
+    add_pin_argument(p)
     p.set_defaults(func=run_build)
 
     s: argparse.ArgumentParser = sub.add_parser(
         "source", help="check out the pinned upstream vLLM source as a git work tree"
     )
     add_source_argument(s)
+    add_pin_argument(s)
     s.add_argument("--dest", type=Path, default=None, help="work tree location (default: in the cache directory)")
     s.set_defaults(func=run_source)
 
@@ -86,6 +88,7 @@ def register(sub: Any) -> None:
         "wheel", help="apply the queue to the prepared source tree and build the wheels"
     )
     add_wheel_arguments(w)
+    add_pin_argument(w)
     w.add_argument(
         "--tree",
         type=Path,
@@ -109,6 +112,7 @@ def register(sub: Any) -> None:
         help="a release (e.g. 0.22.0; its hash-pinned sdist) or a git ref when git is reachable, judged like "
         "`vllm-dflash upstream --against REF` (default: the pinned upstream)",
     )
+    add_pin_argument(st)
     st.set_defaults(func=run_patches_status)
 
 

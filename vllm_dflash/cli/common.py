@@ -17,8 +17,19 @@ class Checkout:
     queues: Queues
 
 
+def add_pin_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--pin",
+        metavar="VERSION",
+        default=None,
+        help="which pinned vLLM release (dist.toml [upstream], or a [pins.VERSION] table; default: [upstream]): its "
+        "artifacts, its queues (patches/VERSION/), its distribution version",
+    )
+
+
 def manifest(args: argparse.Namespace) -> Manifest:
-    return load_manifest(Path(args.root) if args.root else None)
+    """dist.toml and VERSION as the chosen pin (`--pin`, where the command has it) sees them."""
+    return load_manifest(Path(args.root) if args.root else None).for_pin(getattr(args, "pin", None))
 
 
 def checkout(args: argparse.Namespace) -> Checkout:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.cli.common import checkout
+from vllm_dflash.cli.common import add_pin_argument, checkout
 from vllm_dflash.conformance.cases import CASE_NAMES, FULL_KV
 from vllm_dflash.conformance.compare import BUILDS, UNPROVEN_EXIT, ConformanceOptions, render, run_conformance
 from vllm_dflash.errors import ConformanceError
@@ -14,7 +14,8 @@ from vllm_dflash.errors import ConformanceError
 _EPILOG = f"""\
 cases: {", ".join(CASE_NAMES)}.
 Exit status: 0 when the patched build passes every case, every negative-control oracle disagrees with it and stock
-0.20.1 fails every case it must fail; 1 when any of that does not hold; {UNPROVEN_EXIT} when everything that ran holds
+fails exactly the cases that exercise a feature the pin's queue fixes (its patches' X-Fixes headers) and passes the
+others; 1 when any of that does not hold; {UNPROVEN_EXIT} when everything that ran holds
 but a case could not run on this machine (bf16 needs a CPU with avx512_bf16): those rows say "unproven", never
 passed; 13 when an environment cannot be built.
 --device cuda (GPU nodes) compares bf16 logits with looser tolerances; the oracle always runs fp32 on CPU.
@@ -39,9 +40,15 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where vLLM runs (default: cpu)")
     p.add_argument("--cases", nargs="+", choices=CASE_NAMES, metavar="CASE", default=None, help="subset of cases")
-    p.add_argument("--report", type=Path, default=None, help="JSON report path (default: dist/conformance-DEVICE.json)")
+    p.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        help="JSON report path (default: dist/conformance-DEVICE.json; with --pin X: dist/conformance-DEVICE-X.json)",
+    )
     p.add_argument("--patched-wheel", type=Path, default=None, help="test this wheel as the patched build")
     p.add_argument("--stock-wheel", type=Path, default=None, help="test this wheel as the stock build")
+    add_pin_argument(p)
     p.set_defaults(func=run)
 
 

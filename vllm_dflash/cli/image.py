@@ -9,8 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.cli.common import checkout, manifest
-from vllm_dflash.errors import ContainerError
+from vllm_dflash.cli.common import add_pin_argument, checkout, manifest
+from vllm_dflash.errors import ContainerError, ManifestError
 from vllm_dflash.manifest import MACHINES
 from vllm_dflash.oci import check_image_ref, check_repository
 from vllm_dflash.paths import check_output_dir
@@ -44,6 +44,7 @@ def register(sub: Any) -> None:
     p.add_argument("--storage-driver", default=None, help="podman/buildah: storage driver (e.g. vfs)")
     p.add_argument("--isolation", default=None, help="podman/buildah: build isolation (e.g. chroot)")
     p.add_argument("--network", default=None, help="RUN steps' network, e.g. none (not with chroot)")
+    add_pin_argument(p)
     p.set_defaults(func=run)
 
 
@@ -76,6 +77,13 @@ def run(args: argparse.Namespace) -> int:
         raise ContainerError("--wheel names one wheel, --platform all wants one per platform", "drop one of them")
     if args.wheel is not None and not args.wheel.is_file():
         raise ContainerError(f"--wheel {args.wheel}: no such file", "pass a wheel built by `vllm-dflash build`")
+    extra = img.parse_build_args(args.build_arg)
+    if args.target == "fast" and not m.is_default_pin and not args.base_image and "BASE_IMAGE" not in extra:
+        # The Dockerfile pins the default pin's vllm/vllm-openai image; another pin's wheel needs its own release's.
+        raise ManifestError(
+            f"the fast image's default base is vllm/vllm-openai of vLLM {m.default_pin}, not {m.pin_name}",
+            f"pass --base-image vllm/vllm-openai:v{m.pin_name}@sha256:<its digest> (pin it by digest)",
+        )
     base = img.ImageOptions(
         target=args.target,
         tool=args.tool,
@@ -85,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         storage_driver=args.storage_driver,
         isolation=args.isolation,
         network=args.network,
-        build_args=img.parse_build_args(args.build_arg),
+        build_args=extra,
     )
     url = img.source_url(m)
     dockerfile = m.root / img.DOCKERFILE

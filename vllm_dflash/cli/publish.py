@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.cli.common import manifest
+from vllm_dflash.cli.common import add_pin_argument, manifest
 from vllm_dflash.errors import PublishRefusedError
 from vllm_dflash.manifest import MACHINES
 from vllm_dflash.oci import check_image_ref
@@ -40,6 +40,7 @@ def register(sub: Any) -> None:
         help="also accept reports whose binding is 'declared' (an endpoint validate did not start: only its /version "
         "was seen to match the wheel); the index records that this was accepted",
     )
+    add_pin_argument(p)
     p.set_defaults(func=run)
 
 

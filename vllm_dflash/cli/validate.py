@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash.cli.common import checkout, manifest
+from vllm_dflash.cli.common import add_pin_argument, checkout, manifest
 from vllm_dflash.errors import ManifestError, MeasurementError
 from vllm_dflash.manifest import Profile, load_profile_file
 from vllm_dflash.oci import check_image_ref
@@ -75,6 +75,7 @@ def register(sub: Any) -> None:
     p.add_argument("--report", type=Path, default=None, help="report path (default: validation-PROFILE.json)")
     p.add_argument("--log-dir", type=Path, default=None, help="where the launched server's log goes")
     p.add_argument("--quiet", action="store_true", help="no table and progress, only the verdict line")
+    add_pin_argument(p)
     p.set_defaults(func=run)
 
 
@@ -179,5 +180,10 @@ def _run_cpu_builds(args: argparse.Namespace, profile: Profile) -> int:
         print(f"report: {report_path} (verdict: error)", file=sys.stderr)
         raise
     print(miniature.closing_note(result.report, run.conditions), flush=True)
+    for name, path in result.comparison_reports.items():
+        wheel = run.stock_wheel if name == "stock" else None
+        print(
+            f"{name} build's own report (same prompts, same gates): {path}" + (f"; its wheel: {wheel}" if wheel else "")
+        )
     print(f"verdict: {_verdict(result.report)}; report: {result.report_path}; validated wheel: {run.wheel}", flush=True)
     return result.exit_code

@@ -42,6 +42,21 @@ PROMPT_LENGTHS = (37, 45)  # deliberately not multiples of 32 (the CPU kernel qu
 # skip (not run: the build's reading is the same as on another case that already shows it).
 Expect = Literal["pass", "fail", "any", "skip"]
 
+# The drafter features a stock vLLM release may serve wrong. A case exercises the features its drafter has
+# (CaseSpec.features, computed from the spec); a DFlash patch names the features it fixes (its `X-Fixes:` header).
+# Stock of a pin must fail exactly the cases that exercise a feature the pin's queue fixes, and pass the others
+# (`stock_expectation`), so each pin's expectations follow from its own queue, never typed per case per pin.
+FEATURE_TAPS = "taps"  # target_layer_ids name the OUTPUT of target layer L (stock < 0.22 taps its input)
+FEATURE_WINDOW = "window"  # a sliding layer with a window (stock < 0.25 runs it as full attention)
+FEATURE_CAUSAL_WINDOW = "causal-window"  # a sliding layer that is causal (stock 0.25 runs every window symmetric)
+FEATURE_MIXED = "mixed-kinds"  # sliding and full layers in one drafter (stock 0.25+ refuses them on V1)
+FEATURES: tuple[str, ...] = (FEATURE_TAPS, FEATURE_WINDOW, FEATURE_CAUSAL_WINDOW, FEATURE_MIXED)
+# Not a feature of the drafts (stock's logits cannot show it): sliding drafter layers keep only their window of KV
+# cache. A pin whose queue fixes it (patch 0004's X-Fixes) runs the evict-* cases; on the others the sliding layers
+# keep the whole context, as on stock, and those cases are not part of the pin's set.
+FIX_KV_WINDOW = "kv-window"
+QUEUE_FIXES: tuple[str, ...] = (*FEATURES, FIX_KV_WINDOW)
+
 # Negative-control oracles (see oracle.py): each must DISAGREE with the patched build on the cases that list it.
 NEG_TAP_INPUT = "tap-input"  # hidden_states[L] instead of [L+1]: vLLM 0.20.1's tap
 NEG_FULL_ATTN = "full-attention"  # sliding layers run full, non-causal: vLLM 0.20.1's drafter attention
@@ -51,7 +66,8 @@ NEG_POSTNORM_LAST = "postnorm-last-tap"  # the reference package's literal last-
 NEG_REFERENCE_LITERAL = "reference-literal"  # the reference package's own reading of the config (where ours differs)
 NEG_CAUSAL_WINDOW = "causal-window"  # every sliding layer causal (the old reading that ignored is_causal)
 NEG_TOP_LEVEL_IDS = "top-level-ids"  # target_layer_ids from the top level instead of dflash_config
-# Informational: the oracle that models stock 0.20.1 exactly (input taps + full attention). Not asserted.
+# Informational: the oracle that models stock 0.20.1 exactly (input taps + full attention). Not asserted. Another
+# pin's stock is modelled from the features its queue fixes (`stock_model_name`).
 STOCK_MODEL = "stock-semantics"
 # The patched build run with VLLM_DFLASH_FULL_DRAFTER_KV=1 (every drafter layer keeps the whole context, all in one
 # KV-cache group): today's behaviour beside the windowed one, on the eviction cases.
@@ -87,7 +103,9 @@ class CaseSpec:
     sliding_window: int | None = None  # W, wherever `window_spelling` puts it
     identity_target_layers: tuple[int, ...] = ()  # target layers zeroed to identities (o_proj, down_proj = 0)
     zero_lm_head: bool = False  # target and drafter lm_head zeroed: all logits 0, every draft accepted
-    expect_stock: Expect = "fail"
+    # None: derived per pin from the features its queue fixes (stock_expectation); "any" / "skip" (and the doctor's
+    # explicit verdicts) are statements about the case itself.
+    expect_stock: Expect | None = None
     negatives: tuple[str, ...] = ()
     seed: int = 0
     prompt_lengths: tuple[int, ...] = PROMPT_LENGTHS
@@ -165,6 +183,27 @@ class CaseSpec:
     @property
     def has_sliding(self) -> bool:
         return any(window is not None for window, _ in self.attention)
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The FEATURES this case's drafter exercises, as vllm-dflash reads its config (a case with every logit
+        zero exercises none: whatever a build computes, the drafts are the same)."""
+        if self.zero_lm_head:
+            return frozenset()
+        out: set[str] = set()
+        # A tap on an identity layer reads the same state as its input: the tap convention cannot show there.
+        if self.ids_spelling in ("default", "dflash_config") and set(self.target_layer_ids) - set(
+            self.identity_target_layers
+        ):
+            out.add(FEATURE_TAPS)
+        windows = [(w, c) for w, c in self.attention if w is not None]
+        if windows:
+            out.add(FEATURE_WINDOW)
+        if any(c for _, c in windows):
+            out.add(FEATURE_CAUSAL_WINDOW)
+        if windows and len(windows) < len(self.attention):
+            out.add(FEATURE_MIXED)
+        return frozenset(out)
 
     @property
     def builds(self) -> tuple[str, ...]:
@@ -308,7 +347,7 @@ CASES: tuple[CaseSpec, ...] = (
         window_spelling="swa_window_size",
         use_swa=True,
         negatives=(NEG_REFERENCE_LITERAL, NEG_CAUSAL_WINDOW, NEG_WINDOW_MINUS, NEG_WINDOW_PLUS),
-        expect_stock="skip",
+        # Stock runs it: the one stock-run case with a window but no causal layer (evidence for `window` alone).
     ),
     CaseSpec(
         name="non-causal-sliding",
@@ -348,7 +387,6 @@ CASES: tuple[CaseSpec, ...] = (
         target_layer_ids=(1, 2),
         ids_spelling="speculators",
         negatives=(NEG_TAP_INPUT,),
-        expect_stock="pass",
         seed=5,
     ),
     CaseSpec(
@@ -603,6 +641,97 @@ CASES: tuple[CaseSpec, ...] = (
 )
 
 CASE_NAMES: tuple[str, ...] = tuple(c.name for c in CASES)
+
+
+def stock_expectation(spec: CaseSpec, fixed: frozenset[str]) -> Expect:
+    """What the stock build of a pin must do on `spec`, given the features the pin's DFlash queue fixes: fail when
+    the case exercises one of them (stock gets it wrong, or the queue would not need the fix), pass otherwise (stock
+    serves every feature of the case right). An explicit `expect_stock` is kept."""
+    if spec.expect_stock is not None:
+        return spec.expect_stock
+    return "fail" if spec.features & fixed else "pass"
+
+
+def stock_model_name(fixed: frozenset[str]) -> str:
+    """The oracle variant that models a pin's stock build from the features its queue fixes: input-of-layer taps
+    where `taps` is fixed, no windows where `window` is, every window non-causal where only `causal-window` is.
+    STOCK_MODEL itself for a queue that fixes taps and windows (vLLM 0.20.1)."""
+    taps = "input" if FEATURE_TAPS in fixed else "output"
+    if FEATURE_WINDOW in fixed:
+        attention = "full"
+    elif FEATURE_CAUSAL_WINDOW in fixed:
+        attention = "symmetric-window"
+    else:
+        attention = "case"
+    if (taps, attention) == ("input", "full"):
+        return STOCK_MODEL
+    return f"{STOCK_MODEL}[taps={taps},attention={attention}]"
+
+
+def evidence_cases(specs: tuple[CaseSpec, ...] | None = None) -> tuple[CaseSpec, ...]:
+    """The cases that show, on a stock release, which FEATURES it serves right: in FEATURES order, per feature the
+    stock-run case that adds it to the features already covered (else the one with the fewest features; table order
+    breaks ties). A pass proves every feature of its case; a failure proves the feature it adds wrong once the
+    earlier ones are proven right (`feature_verdicts`)."""
+    pool = [s for s in (CASES if specs is None else specs) if s.expect_stock is None and not s.refusal]
+    chosen: list[CaseSpec] = []
+    covered: set[str] = set()
+    for feature in FEATURES:
+        having = [s for s in pool if feature in s.features]
+        if not having:
+            continue
+        adds = [s for s in having if s.features - {feature} <= covered]
+        best = min(adds or having, key=lambda s: len(s.features))
+        if best not in chosen:
+            chosen.append(best)
+        covered.add(feature)
+    return tuple(s for s in pool if s in chosen)
+
+
+def fixes_from_header(text: str) -> frozenset[str]:
+    """The features a patch's `X-Fixes:` header names (space or comma separated); ValueError for an unknown one."""
+    names = frozenset(text.replace(",", " ").split())
+    unknown = sorted(names - set(QUEUE_FIXES))
+    if unknown:
+        raise ValueError(f"X-Fixes names unknown feature(s) {', '.join(unknown)}; known: {', '.join(QUEUE_FIXES)}")
+    return names
+
+
+# What a stock release's evidence run says about a feature: right (a case exercising it passed), wrong (a case
+# failed or was refused whose other features are all proven right), or unproven.
+FeatureVerdict = Literal["right", "wrong", "unproven"]
+
+
+def stock_model_deviations(fixed: frozenset[str]) -> frozenset[str]:
+    """The features on which `stock_model_name(fixed)` computes something else than the patched build."""
+    out = {FEATURE_TAPS} & fixed
+    if FEATURE_WINDOW in fixed:
+        out |= {FEATURE_WINDOW, FEATURE_CAUSAL_WINDOW}  # no window at all
+    elif FEATURE_CAUSAL_WINDOW in fixed:
+        out.add(FEATURE_CAUSAL_WINDOW)  # every window non-causal
+    return frozenset(out)
+
+
+def feature_verdicts(
+    specs: tuple[CaseSpec, ...],
+    passed: dict[str, bool],
+    modelled: dict[str, frozenset[str]] | None = None,
+) -> dict[str, FeatureVerdict]:
+    """Per feature, what the stock runs prove. `passed`: case -> stock passed (cases that did not run are absent);
+    `modelled`: case -> the deviations of a stock model that a failing stock run agreed with (stock computes that
+    model, which differs from the patched build exactly there: those features are wrong)."""
+    right: set[str] = set()
+    for s in specs:
+        if passed.get(s.name) is True:
+            right |= s.features
+    wrong: set[str] = set()
+    for s in specs:
+        if passed.get(s.name) is False:
+            wrong |= s.features & (modelled or {}).get(s.name, frozenset())
+            left = s.features - right
+            if len(left) == 1:
+                wrong |= left
+    return {f: "right" if f in right else "wrong" if f in wrong else "unproven" for f in FEATURES}
 
 
 def spec_from_dict(data: dict[str, Any]) -> CaseSpec:

@@ -126,6 +126,8 @@ class ConformanceResult:
     elapsed_s: float
     wheels: Mapping[str, str] = field(default_factory=dict)  # build -> wheel file name
     work_dir: Path | None = None  # this run's traces (<build>/<case>.jsonl) and oracle metrics
+    pin: str = ""  # the vLLM release the builds are of (manifest.pin_name)
+    fixes: tuple[str, ...] = ()  # the features the pin's DFlash queue fixes: what stock must get wrong
 
     @property
     def verdict(self) -> str:
@@ -142,6 +144,27 @@ def run_verdict(outcomes: Sequence[Outcome]) -> str:
     if any(not o.as_expected and not o.unproven for o in outcomes):
         return "fail"
     return UNPROVEN if any(o.unproven for o in outcomes) else "pass"
+
+
+def queue_fixes(queues: Queues) -> frozenset[str]:
+    """The features the DFlash queue fixes: the union of its patches' `X-Fixes:` headers (cases.FEATURES)."""
+    out: set[str] = set()
+    for patch in queues.dflash:
+        try:
+            out |= C.fixes_from_header(patch.headers.get("X-Fixes", ""))
+        except ValueError as exc:
+            raise ManifestError(f"patch {patch.name}: {exc}", "fix its X-Fixes header") from None
+    return frozenset(out)
+
+
+def expected_for(spec: C.CaseSpec, build: str, fixed: frozenset[str]) -> str:
+    """What `build` must do on `spec` for a pin whose queue fixes `fixed`: the patched build passes; stock fails
+    exactly where the queue fixes a feature the case exercises (cases.stock_expectation)."""
+    return "pass" if build in PASSING_BUILDS else C.stock_expectation(spec, fixed)
+
+
+# judge()'s default for a caller that holds no queue: every feature fixed, as the default pin's (0.20.1) queue does.
+ALL_FIXED = frozenset(C.FEATURES)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -328,13 +351,23 @@ def run_vllm_side(
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def run_oracle(ref_python: Path, manifest: Manifest, jobs: Sequence[tuple[Path, Path, Path]], tol: C.Tolerance) -> None:
+def run_oracle(
+    ref_python: Path,
+    manifest: Manifest,
+    jobs: Sequence[tuple[Path, Path, Path]],
+    tol: C.Tolerance,
+    stock_model: str = C.STOCK_MODEL,
+) -> None:
     """One reference-env process compares every (case_dir, trace) and writes metrics JSON files."""
     if not jobs:
         return
     for _, _, out in jobs:
         out.unlink(missing_ok=True)
-    job = {"jobs": [[str(cdir), str(trace), str(out)] for cdir, trace, out in jobs], "tolerance": asdict(tol)}
+    job: dict[str, Any] = {
+        "jobs": [[str(cdir), str(trace), str(out)] for cdir, trace, out in jobs],
+        "tolerance": asdict(tol),
+        "stock_model": stock_model,
+    }
     proc.call(
         ref_python,
         "-m",
@@ -347,10 +380,15 @@ def run_oracle(ref_python: Path, manifest: Manifest, jobs: Sequence[tuple[Path, 
 
 
 def judge(
-    spec: C.CaseSpec, build: str, metrics: Mapping[str, Any] | None, tol: C.Tolerance, error: str = ""
+    spec: C.CaseSpec,
+    build: str,
+    metrics: Mapping[str, Any] | None,
+    tol: C.Tolerance,
+    error: str = "",
+    fixed: frozenset[str] = ALL_FIXED,
 ) -> Outcome:
-    """Verdict for one build on one case, from the oracle's metrics."""
-    expected: str = "pass" if build in PASSING_BUILDS else spec.expect_stock
+    """Verdict for one build on one case, from the oracle's metrics; `fixed`: the features the pin's queue fixes."""
+    expected = expected_for(spec, build, fixed)
     if metrics is None:
         return Outcome(spec.name, build, "error", expected, False, reasons=(error or "no metrics",))
     main = metrics["main"]
@@ -393,9 +431,11 @@ def judge(
     negatives = tuple(
         NegativeResult(name, d["max_abs"], d["max_abs"] > tol.negative_min)
         for name, d in metrics["variants"].items()
-        if name != C.STOCK_MODEL
+        if not name.startswith(C.STOCK_MODEL)
     )
-    stock_model = metrics["variants"].get(C.STOCK_MODEL, {}).get("max_abs")
+    stock_model = next(
+        (d.get("max_abs") for name, d in metrics["variants"].items() if name.startswith(C.STOCK_MODEL)), None
+    )
     if build in PASSING_BUILDS:
         weak = [n.name for n in negatives if not n.disagrees]
         if weak:
@@ -407,7 +447,10 @@ def judge(
         # A real disagreement, not a flake: the stock build must be far off, not just over the tolerance.
         as_expected = status == "fail" and main["max_abs"] > tol.negative_min
         if status == "pass":
-            reasons.append("stock 0.20.1 PASSED a case it must fail: the case no longer tests the bug")
+            reasons.append(
+                "stock PASSED a case it must fail: the case no longer tests the bug, or the pin's queue "
+                "fixes (X-Fixes) what this release already gets right"
+            )
     elif expected == "pass":
         as_expected = status == "pass"
     else:
@@ -562,11 +605,21 @@ def kv_problems(spec: C.CaseSpec, build: str, metrics: Mapping[str, Any]) -> lis
     return out
 
 
-def judge_unproven(spec: C.CaseSpec, build: str, reason: str) -> Outcome:
+def judge_unproven(spec: C.CaseSpec, build: str, reason: str, fixed: frozenset[str] = ALL_FIXED) -> Outcome:
     """A case this machine cannot run (e.g. bf16 without avx512_bf16): unproven, with the reason. Not a failure, and
     never a pass: the run's verdict is then "unproven" (exit UNPROVEN_EXIT), not "pass"."""
-    expected = "pass" if build in PASSING_BUILDS else spec.expect_stock
+    expected = expected_for(spec, build, fixed)
     return Outcome(spec.name, build, UNPROVEN, expected, False, reasons=(f"not run on this machine: {reason}",))
+
+
+def judge_start_refused(spec: C.CaseSpec, build: str, summary: Mapping[str, Any], fixed: frozenset[str]) -> Outcome:
+    """A case vLLM refused to start (a case that is not a refusal case): stock failing the way a release that does
+    not support the drafter fails (vLLM 0.25 refuses mixed drafters on V1), as expected where stock must fail; the
+    patched build never."""
+    expected = expected_for(spec, build, fixed)
+    line = str(summary.get("refusal_line") or summary.get("error") or "").strip()[-240:]
+    ok = build == "stock" and expected in ("fail", "any")
+    return Outcome(spec.name, build, "refused", expected, ok, reasons=(f"vLLM refused to start: {line}",))
 
 
 def judge_refusal(spec: C.CaseSpec, build: str, summary: Mapping[str, Any] | None, error: str = "") -> Outcome:
@@ -597,6 +650,17 @@ def selected_specs(options: ConformanceOptions) -> tuple[C.CaseSpec, ...]:
     except ValueError as exc:
         raise ConformanceError(str(exc), "pass case names from the list (or none for all)") from None
     return (*named, *options.extra_cases)
+
+
+def kv_window_cases(specs: tuple[C.CaseSpec, ...], options: ConformanceOptions, pin: str) -> tuple[C.CaseSpec, ...]:
+    """For a pin whose queue does not window the drafter's KV cache: the eviction cases are left out of the default
+    set (there is nothing to evict); named on the command line they stay, and are reported unproven."""
+    if options.cases:
+        return specs
+    left = [s.name for s in specs if s.evict]
+    if left:
+        print(f"vLLM {pin}: no patch of its queue fixes {C.FIX_KV_WINDOW}; not run: {', '.join(left)}", flush=True)
+    return tuple(s for s in specs if not s.evict)
 
 
 def _cpus() -> int:
@@ -645,7 +709,13 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
         raise ConformanceError(f"unknown device '{options.device}'", f"use one of {', '.join(DEVICES)}")
     specs = selected_specs(options)
     tol = C.TOLERANCES[options.device]
+    fixed = queue_fixes(queues)  # what this pin's stock must get wrong (and nothing else)
+    if C.FIX_KV_WINDOW not in fixed:
+        specs = kv_window_cases(specs, options, manifest.pin_name)
     unproven = {s.name: why for s in specs if (why := C.skip_reason(s, options.device))}
+    if C.FIX_KV_WINDOW not in fixed:
+        why = f"the vLLM {manifest.pin_name} queue keeps the drafter's whole KV"
+        unproven |= {s.name: why for s in specs if s.evict}
     work = options.work_dir or new_run_dir(options.device)
     work.mkdir(parents=True, exist_ok=True)
 
@@ -688,6 +758,14 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
     # tensor-parallel groups one at a time (a core per rank).
     _in_parallel(side, [g for g in single if g[2]], _concurrency(options))
     _in_parallel(side, [g for g in tensor_parallel if g[2]], 1)
+    # A build that refused to start a case it should run (stock 0.25 on a mixed drafter): judged from its summary.
+    refused = {
+        (b, s.name): summary
+        for b in options.builds
+        for s in runnable
+        if b in s.builds and not s.refusal and (b, s.name) not in side_errors
+        if (summary := _summary(work / b / f"{s.name}.jsonl")) is not None and summary.get("refused")
+    }
 
     # The oracle: one process per tolerance (bf16 cases compare with looser bounds than fp32 ones) and per core.
     oracle_groups: list[tuple[list[tuple[Path, Path, Path]], C.Tolerance]] = []
@@ -697,29 +775,36 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
             for b in options.builds
             for s in runnable
             if (b, s.name) not in side_errors
+            and (b, s.name) not in refused
             and b in s.builds
             and not s.refusal
             and C.tolerance_for(s, options.device) == case_tol
         ]
         oracle_groups += [(chunk, case_tol) for chunk in split_by_case(oracle_jobs, _cpus())]
-    _in_parallel(lambda g: run_oracle(ref_python, manifest, g[0], g[1]), oracle_groups, _cpus())
+    stock_model = C.stock_model_name(fixed)
+    _in_parallel(lambda g: run_oracle(ref_python, manifest, g[0], g[1], stock_model), oracle_groups, _cpus())
 
     outcomes: list[Outcome] = []
     for s in specs:
         for b in (b for b in options.builds if b in s.builds):
             if s.name in unproven:
-                outcomes.append(judge_unproven(s, b, unproven[s.name]))
+                outcomes.append(judge_unproven(s, b, unproven[s.name], fixed))
                 continue
             if s.refusal:
                 trace = work / b / f"{s.name}.jsonl"
                 outcomes.append(judge_refusal(s, b, _summary(trace), side_errors.get((b, s.name), "")))
                 continue
+            if (b, s.name) in refused:
+                outcomes.append(judge_start_refused(s, b, refused[(b, s.name)], fixed))
+                continue
             mpath = work / b / f"{s.name}.metrics.json"
             metrics = json.loads(mpath.read_text()) if (b, s.name) not in side_errors and mpath.is_file() else None
             case_tol = C.tolerance_for(s, options.device)
-            outcomes.append(judge(s, b, metrics, case_tol, side_errors.get((b, s.name), "")))
+            outcomes.append(judge(s, b, metrics, case_tol, side_errors.get((b, s.name), ""), fixed))
     ok = run_verdict(outcomes) == "pass"
-    report = options.report or manifest.dist_dir / f"conformance-{options.device}.json"
+    # One report per pin (the default pin's keeps its old name).
+    suffix = "" if manifest.is_default_pin else f"-{manifest.pin_name}"
+    report = options.report or manifest.dist_dir / f"conformance-{options.device}{suffix}.json"
     result = ConformanceResult(
         ok=ok,
         device=options.device,
@@ -728,6 +813,8 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
         elapsed_s=time.monotonic() - t0,
         wheels={b: w.name for b, w in wheels.items()},
         work_dir=work,
+        pin=manifest.pin_name,
+        fixes=tuple(f for f in C.QUEUE_FIXES if f in fixed),
     )
     write_report(result, tol, {b: sha256_file(w) for b, w in wheels.items()}, options.extra_cases)
     return result
@@ -747,6 +834,8 @@ def write_report(
         "verdict": result.verdict,
         "unproven": sorted({o.case for o in result.outcomes if o.unproven}),
         "device": result.device,
+        "pin": result.pin,
+        "fixes": list(result.fixes),
         "tolerance": asdict(tol),
         # Cases judged with another tolerance than the device's (bf16 on CPU).
         "case_tolerances": {
@@ -783,7 +872,8 @@ def render(result: ConformanceResult) -> None:
 
     # Not a terminal (CI logs, pytest): rich would wrap the table at 80 columns and truncate the headers.
     console = Console(width=None if sys.stdout.isatty() else 160)
-    table = Table(title=f"DFlash conformance vs dflash 0.1.0 reference ({result.device})")
+    pin = f", vLLM {result.pin}" if result.pin else ""
+    table = Table(title=f"DFlash conformance vs dflash 0.1.0 reference ({result.device}{pin})")
     cols: tuple[str, ...] = (
         "case",
         "build",
@@ -846,8 +936,9 @@ def render(result: ConformanceResult) -> None:
         console.print(neg)
     stock = [o for o in result.outcomes if o.build == "stock" and o.stock_model_max_abs is not None]
     if stock:
+        who = f"stock {result.pin}" if result.pin else "stock"
         console.print(
-            "stock 0.20.1 vs an oracle with its semantics (input-of-layer taps, full attention): "
+            f"{who} vs an oracle with its semantics ({stock_semantics(result.fixes)}): "
             + ", ".join(f"{o.case} {_fmt(o.stock_model_max_abs)}" for o in stock)
         )
     for o in result.outcomes:
@@ -889,6 +980,17 @@ def kv_table(case: str, outcomes: Sequence[Outcome]) -> Any:
     for t in shown:
         table.add_row(str(t), *(str(points[t].get(str(n), "-")) for n in names))
     return table
+
+
+def stock_semantics(fixes: Sequence[str]) -> str:
+    """In words, what cases.stock_model_name models for a pin whose queue fixes `fixes`."""
+    fixed = frozenset(fixes)
+    taps = "input-of-layer taps" if C.FEATURE_TAPS in fixed else "output-of-layer taps"
+    if C.FEATURE_WINDOW in fixed:
+        return f"{taps}, full attention"
+    if C.FEATURE_CAUSAL_WINDOW in fixed:
+        return f"{taps}, every window non-causal"
+    return f"{taps}, the case's attention"
 
 
 def summary_line(result: ConformanceResult) -> str:

@@ -66,7 +66,8 @@ class Variant:
     tap_offset: int = 1  # 1: output of layer L (reference); 0: input of layer L (vLLM 0.20.1)
     postnorm_last: bool = False  # last-layer tap after the final norm (the reference package literally)
     # "case": the case's attention | "full": all layers non-causal, no window | "reference": the reference package's
-    # own layer attributes | "causal-window": the case's, with every windowed layer causal
+    # own layer attributes | "causal-window": the case's, with every windowed layer causal | "symmetric-window": the
+    # case's, with every windowed layer non-causal (|q - k| < W: vLLM 0.25's windows under DFlash's metadata)
     attention: str = "case"
     window_delta: int = 0  # windowed layers use W + delta
     top_level_ids: bool = False  # tap the decoy top-level target_layer_ids
@@ -76,6 +77,9 @@ _WINDOW_VARIANTS = (C.NEG_FULL_ATTN, C.NEG_WINDOW_MINUS, C.NEG_WINDOW_PLUS, C.NE
 
 
 def variant(name: str) -> Variant:
+    if name.startswith(C.STOCK_MODEL + "["):  # a pin's stock model (cases.stock_model_name)
+        params = dict(kv.split("=", 1) for kv in name[len(C.STOCK_MODEL) + 1 : -1].split(","))
+        return Variant(tap_offset=0 if params["taps"] == "input" else 1, attention=params["attention"])
     return {
         MAIN: Variant(),
         C.NEG_TAP_INPUT: Variant(tap_offset=0),
@@ -219,7 +223,7 @@ class ReferenceOracle:
         for window, causal in self._case:
             if window is not None:
                 window += v.window_delta
-                causal = causal or v.attention == "causal-window"
+                causal = (causal or v.attention == "causal-window") and v.attention != "symmetric-window"
             out.append((window, causal))
         return out
 
@@ -680,6 +684,7 @@ def _oracle_main(argv: list[str] | None = None) -> int:
     if not jobs and not selftests and not drifts:
         raise SystemExit("oracle: give at least one job or selftest")
     tol = C.Tolerance(**job["tolerance"]) if job.get("tolerance") else C.TOLERANCES["cpu"]
+    stock_model = str(job.get("stock_model", C.STOCK_MODEL))  # the pin's stock, modelled (informational)
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -709,7 +714,7 @@ def _oracle_main(argv: list[str] | None = None) -> int:
         metrics = evaluate(
             oracle,
             Path(trace),
-            (*oracle.case.negatives, C.STOCK_MODEL),
+            (*oracle.case.negatives, stock_model),
             tol,
         )
         metrics.elapsed_s = round(time.perf_counter() - t0, 2)

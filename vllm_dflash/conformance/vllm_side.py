@@ -35,6 +35,7 @@ import gc
 import hashlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -132,6 +133,28 @@ def check_refusal(case_dir: Path, out_path: Path, llm_kwargs: dict[str, Any], re
     summary = {"case": case_dir.name, "refused": refused, "refusal_line": found, "error": error[:2000]}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({"summary": summary}) + "\n")
+    return summary
+
+
+_ERROR_LINE = re.compile(r"\b([A-Z][A-Za-z]*(?:Error|Exception)): (.+)$")
+_GENERIC = ("Engine core initialization failed", "WorkerProc initialization failed")
+
+
+def record_start_refusal(case_dir: Path, out_path: Path, exc: Exception, lines: list[str]) -> dict[str, Any]:
+    """vLLM raised while starting on a case it was meant to run: record why instead of proposals -- the first
+    specific error line of the start-up log (a worker process's own, under the mp executor), else the exception's
+    innermost line. The host judges it: stock may fail that way, the patched build never."""
+    text = f"{type(exc).__name__}: {exc}"
+    specific = [
+        f"{m.group(1)}: {m.group(2)}"
+        for ln in [*text.splitlines(), *lines]
+        if (m := _ERROR_LINE.search(ln)) and not any(g in ln for g in _GENERIC)
+    ]
+    line = specific[0] if specific else next((ln for ln in reversed(text.splitlines()) if ln.strip()), text)
+    summary = {"case": case_dir.name, "refused": True, "refusal_line": line.strip(), "error": text[:2000]}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({"summary": summary}) + "\n")
+    gc.collect()
     return summary
 
 
@@ -371,13 +394,19 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
     if case.get("refusal"):
         return check_refusal(case_dir, out_path, llm_kwargs, case["refusal"])
     startup: list[str] = []
-    if int(case.get("tensor_parallel_size", 1)) == 1:
-        # The start-up log, for this build's line per drafter layer. Not under tensor parallelism: worker processes
-        # started inside the capture would keep writing into it after it ends.
-        with _captured_output() as startup:
+    refusal: Exception | None = None
+    try:
+        if int(case.get("tensor_parallel_size", 1)) == 1:
+            # The start-up log, for this build's line per drafter layer and a refusal's own error line. Not under
+            # tensor parallelism: worker processes started inside the capture would keep writing into it after it ends.
+            with _captured_output() as startup:
+                llm = LLM(**llm_kwargs)
+        else:
             llm = LLM(**llm_kwargs)
-    else:
-        llm = LLM(**llm_kwargs)
+    except Exception as exc:  # a build that does not support this drafter refuses to start (vLLM 0.25: mixed, V1)
+        refusal = exc
+    if refusal is not None:
+        return record_start_refusal(case_dir, out_path, refusal, startup)
     attention_line = next((line for line in startup if ATTENTION_LINE in line), None)
     t_init = time.perf_counter() - t0
     params = SamplingParams(

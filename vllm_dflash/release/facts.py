@@ -140,7 +140,7 @@ def source_material(manifest: Manifest, facts: WheelFacts, error: type[DflashErr
         raise error(
             f"{facts.filename} was built from upstream {up.tag} ({up.commit_pinned}), dist.toml pins {pin.tag} "
             f"({pin.commit})",
-            "make the release from the checkout that built the wheel",
+            f"make the release from the checkout that built the wheel, with --pin {up.version} for another pin",
         )
     if up.source_kind == "sdist":
         return SourceMaterial(

@@ -14,6 +14,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from vllm_dflash import proc
 from vllm_dflash.errors import UpstreamError
@@ -25,6 +26,18 @@ from vllm_dflash.pipeline.patches import apply_series
 from vllm_dflash.pipeline.source import BOT_IDENTITY, FIXED_DATE
 from vllm_dflash.series import Patch, Queue, read_queue, series_without
 from vllm_dflash.upstream.evidence import WatchRule
+from vllm_dflash.upstream.proof import (
+    NEEDED,
+    RETIRED,
+    UNPROVEN,
+    PatchEvidence,
+    StockEvidence,
+    evidence_text,
+    judge_patch,
+    not_run,
+    prove_pin_queue,
+    run_stock_evidence,
+)
 from vllm_dflash.upstream.targets import RELEASE_REF, Target, plain_wheels, release_target, resolve_target
 from vllm_dflash.upstream.verdicts import Status, UpstreamReport, analyse
 
@@ -41,6 +54,7 @@ class RebaseResult:
     changed: tuple[str, ...]  # repo-relative paths written (or that would be, with dry_run)
     dry_run: bool
     notes: tuple[str, ...] = field(default_factory=tuple)
+    evidence: tuple[PatchEvidence, ...] = ()  # what the stock run of the release proved, per patch
 
 
 def _retired_record(old_text: str, entries: Sequence[Mapping[str, str]]) -> str:
@@ -60,6 +74,18 @@ def _retired_record(old_text: str, entries: Sequence[Mapping[str, str]]) -> str:
                 t[k] = v
         doc["retired"][e["name"]] = t
     return tomlkit.dumps(doc)
+
+
+def retired_records(manifest: Manifest) -> dict[str, str]:
+    """patch -> the release that absorbed it, from patches/retired.toml (this module writes it)."""
+    path = manifest.patches_dir / RETIRED_RECORD
+    if not path.is_file():
+        return {}
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UpstreamError(f"{path} is not valid TOML: {exc}", "fix or restore it") from None
+    return {str(name): str(e.get("retired_in", "")) for name, e in (data.get("retired") or {}).items()}
 
 
 def refresh_tree_path(version: str) -> Path:
@@ -165,6 +191,7 @@ def rebase(
     dry_run: bool = False,
     resume: bool = False,
     cpu_queue_size: int = 0,
+    evidence: str = "run",
 ) -> RebaseResult:
     """The `rebase` stage. Raises UpstreamError (the repo untouched) when a patch conflicts or needs review.
 
@@ -186,16 +213,35 @@ def rebase(
         raise UpstreamError(f"--retire {unknown[0]}: no such patch in patches/series", "name a patch file in series")
     report = analyse(manifest, target, queue.patches, rules)
     print(report.text(), flush=True)
+    # The diff analysis is the first look; the stock run of the release decides where it can.
+    ev: StockEvidence = run_stock_evidence(manifest, version) if evidence == "run" else not_run(version)
+    judged = {p.name: judge_patch(p, ev) for p in queue.patches}
+    print(evidence_text(ev, list(judged.values())), flush=True)
 
-    to_retire = [v for v in report.verdicts if v.droppable or v.patch in retire]
-    # Conflicts may still merge (3-way, below); a verdict that needs a person stops here.
-    blocked = [v for v in report.verdicts if v not in to_retire and v.status not in (Status.APPLIES, Status.CONFLICTS)]
+    def by_run(name: str) -> str:
+        return judged[name].verdict
+
+    to_retire = [
+        v
+        for v in report.verdicts
+        if by_run(v.patch) == RETIRED or (by_run(v.patch) == UNPROVEN and v.droppable) or v.patch in retire
+    ]
+    # Conflicts may still merge (3-way, below); a verdict that needs a person stops here, unless the run proved the
+    # patch needed (it is then kept and rebased, whatever the diff looked like).
+    blocked = [
+        v
+        for v in report.verdicts
+        if v not in to_retire and by_run(v.patch) != NEEDED and v.status not in (Status.APPLIES, Status.CONFLICTS)
+    ]
     if blocked:
         why = "; ".join(f"{v.patch}: {v.label} ({v.evidence})" for v in blocked)
         raise UpstreamError(
             f"rebase to {version} stopped, nothing changed: {why}",
             "review it: keep it (refresh the patch) or retire it with --retire NAME",
         )
+
+    if version in manifest.pins:
+        return _verify_existing_pin(manifest, queue, report, to_retire, judged, version, dry_run)
 
     # Pin data from the index: every file name and sha256 recorded, the sdist's commit verified by release_tree.
     wheels = plain_wheels(project_files("vllm"), version)
@@ -231,9 +277,15 @@ def rebase(
             "retired_in": version,
             "retired_from": manifest.upstream.version,
             "status": v.label,
-            "evidence": v.evidence,
+            "evidence": _retire_evidence(v.evidence, judged[v.patch], ev),
             "drop_when": v.drop_when,
-            "decided_by": "the evidence (automatic)" if v.droppable else "a person (--retire after review)",
+            "decided_by": (
+                "the stock run (automatic)"
+                if by_run(v.patch) == RETIRED
+                else "the evidence (automatic)"
+                if v.droppable
+                else "a person (--retire after review)"
+            ),
             "file": f"patches/{RETIRED_DIR}/{v.patch}",
         }
         for v in to_retire
@@ -285,6 +337,11 @@ def rebase(
         for src in moves:
             src.unlink()
         shutil.rmtree(work, ignore_errors=True)
+    if evidence == "run":
+        notes.append(
+            f"the rebased queue is not proven on {version} by a run: {version} has no CPU runtime queue yet (add "
+            f'[pins."{version}"] and patches/{version}/cpu/series, then `vllm-dflash conformance --pin {version}`)'
+        )
     return RebaseResult(
         report=report,
         version=new_version,
@@ -293,4 +350,54 @@ def rebase(
         changed=tuple(changed),
         dry_run=dry_run,
         notes=tuple(notes),
+        evidence=tuple(judged.values()),
+    )
+
+
+def _retire_evidence(diff_evidence: str, judged: PatchEvidence, ev: StockEvidence) -> str:
+    """What retired.toml records: the run when it decided (its cases and the report's sha256; no path: the file is
+    in the repo), else the diff's evidence."""
+    if judged.verdict == RETIRED:
+        return f"{judged.why}; conformance report sha256 {ev.report_sha256}"
+    return diff_evidence
+
+
+def _verify_existing_pin(
+    manifest: Manifest,
+    queue: Queue,
+    report: UpstreamReport,
+    to_retire: Sequence[Any],
+    judged: Mapping[str, PatchEvidence],
+    version: str,
+    dry_run: bool,
+) -> RebaseResult:
+    """`rebase --to X` where X is a pin already: its own queue (patches/X/series) is the rebased queue. Check that it
+    keeps what the run proved needed, and prove it by running every case on X; nothing is written."""
+    view = manifest.for_pin(version)
+    target_queue = read_queue(view.series_path, "dflash", missing_ok=False)
+    names = {p.name for p in target_queue}
+    retired = {v.patch for v in to_retire}
+    missing = [p.name for p in queue if judged[p.name].verdict == NEEDED and p.name not in names]
+    if missing:
+        raise UpstreamError(
+            f"rebase --to {version}: the run proves {', '.join(missing)} needed on {version}, but "
+            f"{view.series_path.relative_to(manifest.root)} does not carry it",
+            f"rebase the patch onto {version} into patches/{version}/ and list it in its series",
+        )
+    notes = [f"{version} is a pin already: its queue {view.series_path.relative_to(manifest.root)} is the rebased "
+             "queue; nothing is written"]  # fmt: skip
+    stale = sorted(retired & names)
+    if stale:
+        notes.append(f"the run retires {', '.join(stale)}, yet patches/{version}/series still lists it: drop it there")
+    proof = prove_pin_queue(manifest, version)
+    notes.append(proof)
+    return RebaseResult(
+        report=report,
+        version=view.version,
+        retired=tuple(sorted(retired)),
+        kept=tuple(p.name for p in target_queue),
+        changed=(),
+        dry_run=dry_run,
+        notes=tuple(notes),
+        evidence=tuple(judged.values()),
     )

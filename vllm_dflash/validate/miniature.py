@@ -168,6 +168,17 @@ def serving_conditions(profile: Profile, prompts: list[Prompt]) -> str:
     return "; ".join(parts)
 
 
+def warm_reference(manifest: Manifest, profile: Profile) -> str:
+    """Compute (or find) the reference loop's cached result on `profile`'s prompts; returns its cache file's name. A
+    validation of the profile then finds it cached: the test suite's background training calls this right after it
+    trains, so the loop (about a minute on 2 cores) runs beside the other tests, not inside a validation."""
+    ref_python = envs.reference_python(manifest)
+    models = host.ensure_mini_models(ref_python)
+    rows = host.read_prompts(models)
+    n = len(rows[: profile.num_prompts] if profile.num_prompts else rows)
+    return str(_reference(ref_python, models, n, profile.max_tokens, profile.rounds).detail["cache_key"])
+
+
 def _reference(ref_python: Path, models: Path, n: int, max_tokens: int, rounds: int = 1) -> Reference:
     """The reference loop's result on the first `n` prompts, computed once per (models, sources, job): it is a
     deterministic function of them, and a second validation (another wheel) reuses it. With `rounds`, each

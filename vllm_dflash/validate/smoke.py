@@ -268,6 +268,14 @@ class ValidationResult:
     report: Mapping[str, Any]
     report_path: Path
     exit_code: int
+    # Each comparison build's own sealed report, gated like the validated one on the same prompts (the stock build:
+    # its report fails the reference gate, and publish refuses it), so a second validation never serves it again.
+    comparison_reports: Mapping[str, Path] = field(default_factory=dict)
+
+
+def comparison_report_path(report_path: Path, name: str) -> Path:
+    """Where the report of comparison build `name` goes: beside the validated build's (report.stock.json)."""
+    return report_path.with_name(f"{report_path.stem}.{name}{report_path.suffix or '.json'}")
 
 
 @contextlib.contextmanager
@@ -516,9 +524,56 @@ def validate(
     body["timings"] = timings
     report = reports.seal(body, reports.key_from_env())
     reports.write(report, report_path, reports.key_from_env())
+    written: dict[str, Path] = {}
+    for name, other_m in others.items():
+        path = comparison_report_path(report_path, name)
+        try:
+            other_body = _comparison_body(body, name, other_m, ref, profile, report_path)
+        except MeasurementError as exc:  # e.g. it drafted nothing: its row in the report above says so
+            print(f"note: no report for the {name} build: {exc.message}", file=sys.stderr, flush=True)
+            continue
+        reports.write(reports.seal(other_body, reports.key_from_env()), path, reports.key_from_env())
+        written[name] = path
     if show:
         render(report)
-    return ValidationResult(report=report, report_path=report_path, exit_code=code)
+    return ValidationResult(report=report, report_path=report_path, exit_code=code, comparison_reports=written)
+
+
+def _comparison_body(
+    body: Mapping[str, Any],
+    name: str,
+    m: Measurement,
+    ref: Reference | None,
+    profile: Profile,
+    report_path: Path,
+) -> dict[str, Any]:
+    """The report of comparison build `name` as if it were the validated one: its own server, counters and outputs,
+    the same prompts, reference loop and gates (no baseline, no comparisons of its own)."""
+    skip = ("comparisons", "per_prompt", "baseline", "mismatch_analysis", "drafts_cut", "lossless_vs_reference")
+    out = {k: v for k, v in body.items() if k not in skip}
+    out["server"] = dict(m.server)
+    out["counters"] = {"before": m.before.as_dict(), "after": m.after.as_dict(), "delta": m.delta.as_dict()}
+    out["throughput"] = {
+        "output_tokens": m.run.output_tokens,
+        "wall_s": m.run.wall_s,
+        "tokens_per_s": m.run.tokens_per_s,
+    }
+    out["baseline"] = None
+    out["comparisons"] = None
+    out["compared_in"] = {"report": report_path.name, "as": name}
+    acc = metrics.acceptance(m.delta, profile.num_speculative_tokens)
+    out["acceptance"] = acc.as_dict()
+    match_rate = None
+    if ref is not None:
+        lossless = out["lossless_vs_reference"] = _matching(m.texts(), ref.texts)
+        match_rate = lossless["rate"]
+        if ref.explain is not None and lossless["mismatches"]:
+            out["mismatch_analysis"] = ref.explain(lossless["mismatches"], m.texts())
+    verdicts = judge(profile, acc, match_rate, ref.acceptance_length if ref is not None else None)
+    verdicts += condition_gates(profile, m.delta, out.get("mismatch_analysis"))
+    out["gates"] = [v.as_dict() for v in verdicts]
+    out["verdict"] = "pass" if all(v.passed for v in verdicts) else "fail"
+    return out
 
 
 def exploratory_reason(profile: Profile, sent_set: str, count: int, full_count: int | None) -> str | None:
