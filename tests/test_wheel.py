@@ -198,3 +198,24 @@ def test_verifier_catches_a_changed_entry(built: WheelResult, tmp_path: Path, ta
             verify_wheel(small, full=True)
     else:
         verify_wheel(small, full=True)
+
+
+def test_the_build_cache_key_covers_the_builders_code(tmp_path: Path) -> None:
+    """A cached CPU build is keyed by the code that wrote it: editing any pipeline module or the provenance writer
+    moves the key, so a cache that outlives a checkout never serves an older builder's wheel; other code does not."""
+    import shutil
+
+    from vllm_dflash.pipeline import build as B
+
+    package = tmp_path / "vllm_dflash"
+    shutil.copytree(B._PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__"))
+    before = B.builder_digest(package)
+    assert before == B.builder_digest()
+    for edited in ("pipeline/wheelfile.py", "provenance.py"):
+        target = package / edited
+        text = target.read_text()
+        target.write_text(text + "\n# edited\n")
+        assert B.builder_digest(package) != before, edited
+        target.write_text(text)
+    (package / "report.py").write_text((package / "report.py").read_text() + "\n# edited\n")
+    assert B.builder_digest(package) == before

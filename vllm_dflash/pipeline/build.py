@@ -170,11 +170,24 @@ def build(manifest: Manifest, queues: Queues, options: BuildOptions) -> BuildRes
     return BuildResult(wheels=tuple(results), patched=patched, seconds=seconds)
 
 
+_PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def builder_digest(package: Path = _PACKAGE) -> str:
+    """sha256 of the code that writes a wheel's bytes (every pipeline module and the provenance writer), so a cache
+    that outlives a checkout (CI's) never hands out a wheel an older builder made."""
+    h = hashlib.sha256()
+    for path in sorted([*(package / "pipeline").glob("*.py"), package / "provenance.py"]):
+        h.update(f"{path.relative_to(package).as_posix()}\0".encode() + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def _build_key(manifest: Manifest, queues: Queues, base: str, variant: str) -> str:
-    """What determines a build's bytes: the pinned base wheel, the version and every patch applied (by content)."""
+    """What determines a build's bytes: the pinned base wheel, the version, every patch applied (by content) and the
+    builder's own code."""
     h = hashlib.sha256()
     pins = manifest.cpu_wheels if base == "cpu" else manifest.wheels
-    h.update(json.dumps([base, variant, manifest.version, pins[platform.machine()].sha256]).encode())
+    h.update(json.dumps([base, variant, manifest.version, pins[platform.machine()].sha256, builder_digest()]).encode())
     for patch in queues.for_build(variant, cpu_base=base == "cpu"):
         h.update(f"{patch.queue}/{patch.name}:{patch.sha256}\n".encode())
     return h.hexdigest()[:12]
@@ -203,7 +216,7 @@ def cached_build(manifest: Manifest, queues: Queues, base: str, variant: str) ->
                 platforms=(platform.machine(),),
                 variant=variant,
                 out_dir=tmp,
-                source_dest=cache / "source",
+                source_dest=cache / f"source-{manifest.upstream.version}",  # one private tree per pin
             )
             result = build(manifest, queues, options)
             os.replace(tmp, out)
