@@ -163,6 +163,23 @@ def test_every_queue_says_what_it_fixes(manifest: Manifest) -> None:
         assert not [p for p in _queues(manifest, pin).dflash if "40727" in p.drop_when]
 
 
+def test_the_eviction_cases_run_only_where_the_queue_windows_the_drafters_kv(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A pin whose queue names no kv-window fix has nothing to evict: its default case set leaves the evict-* cases
+    out, and says so; named on the command line they stay (run_conformance then reports them unproven)."""
+    evict = [s.name for s in C.CASES if s.evict]
+    assert evict and C.fixes_from_header("window kv-window") == {C.FEATURE_WINDOW, C.FIX_KV_WINDOW}
+    with pytest.raises(ValueError, match="kv-windows"):
+        C.fixes_from_header("kv-windows")
+    everything = compare.selected_specs(compare.ConformanceOptions())
+    kept = compare.kv_window_cases(everything, compare.ConformanceOptions(), "0.23.0")
+    assert [s.name for s in kept] == [s.name for s in everything if not s.evict]
+    assert f"vLLM 0.23.0: no patch of its queue fixes kv-window; not run: {', '.join(evict)}" in capsys.readouterr().out
+    named = compare.ConformanceOptions(cases=(evict[0], "full"))
+    assert compare.kv_window_cases(compare.selected_specs(named), named, "0.23.0") == compare.selected_specs(named)
+
+
 def test_stock_expectations_follow_from_the_queue(manifest: Manifest) -> None:
     """The typed expectations of the 0.20.1 table are what its queue implies; the new pins get theirs computed."""
     want = {pin: {s.name: C.stock_expectation(s, queue_fixes(_queues(manifest, pin))) for s in C.CASES}
