@@ -471,5 +471,7 @@ def test_rebase_to_an_existing_pin_verifies_and_writes_nothing(tmp_path: Path) -
     ]
     assert "0002-dflash-sliding-window-layers.patch: needed" in out
     assert "0.25.1 is a pin already" in out and "passes every case" in out
+    left = "not in 0.25.1's queue and not retired by the run: 0004-dflash-drafter-kv-cache-by-window.patch: unproven"
+    assert left in out, out[-3000:]
     after = {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and "dist" not in p.parts}
     assert after == {p: b for p, b in before.items() if "dist" not in p.parts}

@@ -386,6 +386,11 @@ def _verify_existing_pin(
         )
     notes = [f"{version} is a pin already: its queue {view.series_path.relative_to(manifest.root)} is the rebased "
              "queue; nothing is written"]  # fmt: skip
+    # What the pin's own queue leaves out without a run that retires it (e.g. the drafter's KV window): said, by name.
+    left = [p.name for p in queue if p.name not in names and p.name not in retired]
+    if left:
+        why = "; ".join(f"{n}: {judged[n].verdict} ({judged[n].why})" for n in left)
+        notes.append(f"not in {version}'s queue and not retired by the run: {why}")
     stale = sorted(retired & names)
     if stale:
         notes.append(f"the run retires {', '.join(stale)}, yet patches/{version}/series still lists it: drop it there")
