@@ -38,7 +38,9 @@ TYPED_COUNT = re.compile(
 # Absolute paths of a build machine: home and temporary directories, mounts, this project's work tree. Generic
 # system paths a user needs (/proc/..., /dev/..., /etc/...) and URL paths (/health, /v1/...) are not among them.
 LOCAL_ROOTS = ("root", "home", "tmp", "var/tmp", "work", "Users", "mnt", "srv", "scratch", "private", "data", "opt")
-LOCAL_PATH = re.compile(r"(?:file://|(?<![\w.~/%$-]))/(?:" + "|".join(re.escape(r) for r in LOCAL_ROOTS) + r")(?=[/\s`'\")\]]|$)")
+LOCAL_PATH = re.compile(
+    r"(?:file://|(?<![\w.~/%$-]))/(?:" + "|".join(re.escape(r) for r in LOCAL_ROOTS) + r")(?=[/\s`'\")\]]|$)"
+)
 
 
 def _mutants() -> int:
@@ -189,8 +191,16 @@ def test_the_counts_are_used() -> None:
         ("the quick tier, 334 tests, 5.3 min warm; on the 34 traces of one run", ["'334 tests'", "'34 traces'"]),
         ("2 prompts of 120 and 150 tokens; 6 seeds; 5 trials", []),
     ],
-    ids=["right", "case-off-by-one", "rows-drifted", "mutants-off", "unknown-count", "typed-rows", "typed-tests",
-         "other-numbers"],  # fmt: skip
+    ids=[
+        "right",
+        "case-off-by-one",
+        "rows-drifted",
+        "mutants-off",
+        "unknown-count",
+        "typed-rows",
+        "typed-tests",
+        "other-numbers",
+    ],
 )
 def test_count_checker_reports_a_wrong_count(text: str, expected: list[str]) -> None:
     cases, mutants = _cases(), _mutants()

@@ -360,8 +360,8 @@ def test_matrix_docs_flag_writes_between_the_markers_and_refuses_a_page_without_
 @pytest.mark.slow
 @pytest.mark.network
 def test_pin_matrix_is_what_the_runs_compute(tmp_path: Path) -> None:
-    """Every pin's stock and patched builds through the evidence cases: the committed matrix (PINS.md, docs/upstream.md) is
-    exactly what the command computes now, and each new pin shows what the issue promises."""
+    """Every pin's stock and patched builds through the evidence cases: the committed matrix (PINS.md,
+    docs/upstream.md) is exactly what the command computes now, and each new pin shows what the issue promises."""
     out = tmp_path / "matrix.md"
     run = subprocess.run(
         [sys.executable, "-m", "vllm_dflash", "--root", str(REPO), "upstream", "--matrix", "--markdown", str(out)],

@@ -244,7 +244,7 @@ def unsourced(entry: Entry) -> list[str]:
 
 
 def replace_table(page: str, table: str) -> str:
-    """`page` (docs/doctor.md) with its generated table replaced by `table` (ValueError when the markers are missing)."""
+    """`page` (docs/doctor.md) with its generated table replaced by `table` (ValueError when it has no markers)."""
     start, end = page.find(TABLE_BEGIN), page.find(TABLE_END)
     if start < 0 or end < start:
         raise ValueError("the page has no doctor-table markers")
