@@ -90,7 +90,7 @@ def test_case_table_is_consistent() -> None:
 
 
 def test_every_config_spelling_family_has_a_case() -> None:
-    """One case per spelling family of the drafter config (README, "Drafter config fields")."""
+    """One case per spelling family of the drafter config (docs/drafter-config.md)."""
     by = {c.name: c for c in C.CASES}
     assert by["swa-window-size"].window_spelling == "swa_window_size" and not by["swa-window-size"].use_swa
     assert by["dropped-window"].window_spelling == "dropped"

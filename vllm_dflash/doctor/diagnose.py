@@ -5,7 +5,7 @@ one verdict (with its exit code) and what to do.
 
 This build's column is patch 0002's own resolution run on the config vLLM loads (ours.py, rules.ours); the other
 columns are rules.py, held against the real code by the differential test. The verdict compares this build with
-stock 0.20.1 (this build's reading is the trained semantics: README, "Drafter config fields"); what a field does is
+stock 0.20.1 (this build's reading is the trained semantics: docs/drafter-config.md); what a field does is
 fields.py's table.
 """
 
@@ -22,7 +22,7 @@ from vllm_dflash.doctor.checkpoint import Checkpoint
 from vllm_dflash.doctor.loading import OURS, REFERENCE, STOCK, UPSTREAM
 from vllm_dflash.doctor.ours import OurCode
 
-# Verdict classes and their exit codes (README, "Check a drafter before you deploy"). 0 and 20 both mean: this build
+# Verdict classes and their exit codes (docs/doctor.md). 0 and 20 both mean: this build
 # serves the drafter as trained; 20 adds that stock 0.20.1 does not.
 SERVED = "served as trained"
 STOCK_MISSERVES = "stock mis-serves it"

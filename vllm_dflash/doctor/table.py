@@ -1,5 +1,5 @@
-"""The shipped table of public DFlash checkpoints (checkpoints/*.json) and the README compatibility table made from
-it by the doctor itself: each row is `diagnose()` on the entry's config, once per completion of what no public
+"""The shipped table of public DFlash checkpoints (checkpoints/*.json) and the compatibility table (docs/doctor.md)
+made from it by the doctor itself: each row is `diagnose()` on the entry's config, once per completion of what no public
 source gives.
 
 An entry: {"name", "target", "config": the config.json fields a public source quotes, "sources": {field: a public
@@ -202,7 +202,7 @@ def _sources(e: Entry) -> str:
 
 
 def render_table(code: OurCode, entries: list[Entry] | None = None) -> str:
-    """The Markdown table (between TABLE_BEGIN and TABLE_END in the README)."""
+    """The Markdown table (between TABLE_BEGIN and TABLE_END in docs/doctor.md)."""
     rows = [
         "| checkpoint | stock 0.20.1 | this build | upstream 0.33 | verdict (exit) "
         "| sources (and what no source gives) |",
@@ -243,9 +243,9 @@ def unsourced(entry: Entry) -> list[str]:
     return out
 
 
-def replace_table(readme: str, table: str) -> str:
-    """`readme` with its generated table replaced by `table` (ValueError when the markers are missing)."""
-    start, end = readme.find(TABLE_BEGIN), readme.find(TABLE_END)
+def replace_table(page: str, table: str) -> str:
+    """`page` (docs/doctor.md) with its generated table replaced by `table` (ValueError when it has no markers)."""
+    start, end = page.find(TABLE_BEGIN), page.find(TABLE_END)
     if start < 0 or end < start:
-        raise ValueError("the README has no doctor-table markers")
-    return readme[:start] + table + readme[end + len(TABLE_END) :]
+        raise ValueError("the page has no doctor-table markers")
+    return page[:start] + table + page[end + len(TABLE_END) :]

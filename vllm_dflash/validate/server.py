@@ -32,7 +32,7 @@ from vllm_dflash.validate import client
 
 LOG_TAIL_LINES = 40
 
-# How the served code is tied to the artifact a report names (README "Validate on a GPU node"):
+# How the served code is tied to the artifact a report names (docs/validation.md):
 BINDING_INSTALLED = "installed"  # validate launched the server from an environment holding exactly the wheel's files
 BINDING_IMAGE = "image"  # validate launched the server from the image with this content ID
 BINDING_DECLARED = "declared"  # an endpoint validate did not start, whose /version equals the named wheel's or image's
