@@ -37,6 +37,7 @@ def _queues(m: Manifest, pin: str) -> Queues:
 
 
 def _copy(tmp: Path) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
     for name in ("dist.toml", "VERSION"):
         shutil.copy(REPO / name, tmp / name)
     shutil.copytree(REPO / "patches", tmp / "patches")
