@@ -342,6 +342,16 @@ class Checkout:
         return sorted(p.name for p in self.dist.rglob("*")) if self.dist.exists() else []
 
 
+def copy_manifest_and_patches(dest: Path) -> Path:
+    """`dest` holding this repo's manifest, VERSION and every pin's patch queue: what the stages that read the
+    manifest and the queues (upstream, rebase, the pin matrix) need of a checkout."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("dist.toml", "VERSION"):
+        shutil.copy2(REPO / name, dest / name)
+    shutil.copytree(REPO / "patches", dest / "patches")
+    return dest
+
+
 def make_checkout(tmp: Path, cache: Path) -> Checkout:
     root = tmp / "checkout"
     root.mkdir(parents=True)

