@@ -4,7 +4,7 @@ Loaded by a `sitecustomize` that mutate.py puts first on PYTHONPATH for one trac
 every Python process of that run traces -- pytest itself and each subprocess a test starts (`python -m vllm_dflash
 ...`). Only frames of the files named in $MUTATE_TRACE_FILES are followed line by line. In pytest this module is also
 a plugin (`-p mutate_trace`): it names the running test in $MUTATE_TRACE_TEST, which subprocesses inherit. Each
-process writes {test: {file: [lines]}} to $MUTATE_TRACE_OUT/<pid>.json when it exits. Standard library only.
+process writes {test: {file: [lines]}} to $MUTATE_TRACE_OUT/<pid>-<random>.json when it exits. Standard library only.
 """
 
 from __future__ import annotations
@@ -59,8 +59,11 @@ def _dump() -> None:
         "hits": {t: {f: sorted(ls) for f, ls in files.items()} for t, files in _hits.items()},
         "durations": _durations,
     }
+    # A name no other process takes: a run starts tens of thousands of processes and pids wrap (pid_max is often
+    # 32768), so a file named by the pid alone was overwritten by a later process's, and its lines were lost.
+    name = f"{os.getpid()}-{os.urandom(8).hex()}.json"
     try:
-        with open(os.path.join(_out, f"{os.getpid()}.json"), "w") as fh:
+        with open(os.path.join(_out, name), "x") as fh:
             json.dump(data, fh)
     except OSError:
         pass

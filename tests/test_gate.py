@@ -198,8 +198,14 @@ def error_lines(run: subprocess.CompletedProcess[str]) -> list[str]:
 IMPOSSIBLE = {
     # what the server claims after the run -> the words of its one error line
     "al-above-k-plus-1": (metrics(10, 390, 390, pos(10, 10, 10)), "exceed 10 drafts x k = 3"),
-    "plus-inf": (metrics(100, 300, "+Inf", pos(75, 50, 25)), 'model_name="tiny"} inf` is not a finite count'),
-    "nan": (metrics(100, 300, "NaN", pos(75, 50, 25)), 'model_name="tiny"} nan` is not a finite count'),
+    "plus-inf": (
+        metrics(100, 300, "+Inf", pos(75, 50, 25)),
+        'model_name="tiny"} inf`: its value = inf is not a finite count',
+    ),
+    "nan": (
+        metrics(100, 300, "NaN", pos(75, 50, 25)),
+        'model_name="tiny"} nan`: its value = nan is not a finite count',
+    ),
     "negative": (metrics(100, 300, -150, pos(75, 50, 25)), "-150"),
     "decreasing": (None, "went down from 100 to 40"),
     "position-label-missing": (metrics(100, 300, 150, ["} 150"]), "has no position label"),

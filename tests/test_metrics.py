@@ -103,3 +103,67 @@ def test_cut_drafts_line_says_what_to_raise() -> None:
     assert "runs with other settings" in (cut_drafts_line(cut, 8, 112) or "")
     full = Acceptance(2.0, 0.5, (), mean_draft_tokens=7.0, num_speculative_tokens=7)
     assert cut_drafts_line(full, 8, 32) is None  # negative control: all k drafted, nothing to say
+    assert cut_drafts_line(Acceptance(2.0, 0.5, (), mean_draft_tokens=0.0, num_speculative_tokens=0), 8, 32) is None
+
+
+def test_a_quoted_sample_is_bounded_at_exactly_its_limits() -> None:
+    """A malformed sample is quoted with each label value cut at 40 characters and the line at 300, no sooner."""
+    from prometheus_client.samples import Sample
+
+    from vllm_dflash.validate.metrics import _sample_line
+
+    for value, quoted in (("v" * 40, "v" * 40), ("v" * 41, "v" * 40 + "...")):
+        assert _sample_line(Sample("vllm:x_total", {"a": value}, -1.0)) == f'vllm:x_total{{a="{quoted}"}} -1.0'
+    # `NAME{} 1.0`: the name's length sets the line's; 300 characters stay whole, 301 are cut to 297 and "...".
+    whole = _sample_line(Sample("n" * 294, {}, 1.0))
+    assert whole == "n" * 294 + "{} 1.0" and len(whole) == 300
+    cut = _sample_line(Sample("n" * 295, {}, 1.0))
+    assert cut == "n" * 295 + "{}..." and len(cut) == 300
+
+
+def test_only_a_counters_running_total_is_counted() -> None:
+    """A spec family declared as a histogram (its `_bucket`, `_count`, `_sum` samples) carries no running total: none
+    of its samples is summed into the counter, so the server drafted nothing."""
+    text = (
+        "# TYPE vllm:spec_decode_num_drafts histogram\n"
+        'vllm:spec_decode_num_drafts_bucket{le="+Inf"} 4.0\nvllm:spec_decode_num_drafts_count 4.0\n'
+        "vllm:spec_decode_num_drafts_sum 9.0\n"
+    )
+    c = parse_spec_counters(text)
+    assert c.present and c.drafts == 0.0
+    # An untyped family keeps its sample's own name, `_total` or not: that sample is the total.
+    untyped = parse_spec_counters("vllm:spec_decode_num_drafts 5\nvllm:spec_decode_num_draft_tokens_total 7\n")
+    assert (untyped.drafts, untyped.draft_tokens) == (5.0, 7.0)
+
+
+def test_a_sample_no_count_quotes_the_reports_rule() -> None:
+    for value, words in (("-0.5", "is not a finite count >= 0"), ("0.5", "is not a whole number"), ("NaN", "finite")):
+        with pytest.raises(MeasurementError) as got:
+            parse_spec_counters(f"vllm:spec_decode_num_drafts_total {value}\n")
+        assert got.value.message.startswith("malformed metrics: counter sample `vllm:spec_decode_num_drafts_total")
+        assert words in got.value.message, got.value.message
+
+
+def test_nothing_drafted_and_impossible_counts_say_different_things() -> None:
+    """0 drafts is a run that measured nothing (check the config); counts no vLLM gives are malformed metrics."""
+    nothing = parse_spec_counters("vllm:spec_decode_num_drafts_total 0\n")
+    with pytest.raises(MeasurementError) as got:
+        acceptance(nothing, 3, "ngram")
+    assert got.value.message.startswith("the server drafted nothing") and "speculative config" in got.value.hint
+    one = parse_spec_counters("vllm:spec_decode_num_drafts_total 1\nvllm:spec_decode_num_draft_tokens_total 4\n")
+    with pytest.raises(MeasurementError) as got:
+        acceptance(one, 3, "ngram")
+    assert got.value.message.startswith("impossible /metrics counts: 4 draft tokens exceed 1 drafts x k = 3")
+    assert "speculative config" not in got.value.hint
+
+
+def test_the_draft_acceptance_rate_of_few_draft_tokens() -> None:
+    def counts(tokens: int, accepted: int) -> str:
+        return (
+            "vllm:spec_decode_num_drafts_total 1\n"
+            f"vllm:spec_decode_num_draft_tokens_total {tokens}\nvllm:spec_decode_num_accepted_tokens_total {accepted}\n"
+        )
+
+    assert acceptance(parse_spec_counters(counts(0, 0)), 3, "ngram").draft_acceptance_rate == 0.0  # no 0 / 0
+    assert acceptance(parse_spec_counters(counts(1, 1)), 3, "ngram").draft_acceptance_rate == 1.0
+    assert acceptance(parse_spec_counters(counts(2, 1)), 3, "ngram").draft_acceptance_rate == 0.5

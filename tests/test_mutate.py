@@ -5,6 +5,7 @@ it, and the checkout it copies is never written."""
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -140,3 +141,17 @@ def test_the_proof_plan_names_existing_files_and_functions() -> None:
     sel = mutate.candidate_selection(REPO)
     assert sel[:2] == ["-m", "not heavy"] and "tests/test_gate.py" in sel
     assert not {Path(s).name for s in sel[2:]} & mutate.EXCLUDED
+
+
+def test_trace_dumps_of_one_pid_never_overwrite_each_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pids wrap in a long run: two processes with the same pid must leave two trace files, or a test's lines are
+    lost and its mutants are counted as survivors no test executes."""
+    import mutate_trace as mt
+
+    monkeypatch.setattr(mt, "_out", str(tmp_path))
+    monkeypatch.setattr(mt, "_hits", {"t::a": {"f.py": {1}}})
+    mt._dump()
+    monkeypatch.setattr(mt, "_hits", {"t::b": {"f.py": {2}}})
+    mt._dump()  # the same pid again, as a later process that got it would be
+    dumps = sorted(tmp_path.glob("*.json"))
+    assert len(dumps) == 2 and all(p.name.startswith(f"{os.getpid()}-") for p in dumps)

@@ -389,3 +389,66 @@ def test_check_names_the_report_and_the_profile(tmp_path: Path) -> None:
     path.write_text(json.dumps(bad))
     with pytest.raises(PublishRefusedError, match=r"does not hold up against dist\.toml's profile 'rules'"):
         verdict.check(rules.load(path, None, PublishRefusedError), {prof.name: prof}, PublishRefusedError)
+
+
+# ------------------------------------------------------------------------------------------------ seal and loading
+def test_a_seal_that_is_no_seal() -> None:
+    body = report()
+    assert rules.seal_problem(rules.seal(body)) is None
+    for seal in (None, "abc", {"sha256": 5}, {"hmac_sha256": "0" * 64}):
+        assert rules.seal_problem({**body, "seal": seal}) == "it has no seal", seal
+    assert "does not match its seal" in str(rules.seal_problem({**rules.seal(body), "verdict": "fail"}))
+
+
+def _load(path: Path) -> str:
+    with pytest.raises(PublishRefusedError) as got:
+        rules.load(path, None, PublishRefusedError)
+    return got.value.message
+
+
+def test_load_refuses_what_is_no_report_each_in_its_words(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    assert _load(path) == f"cannot read report {path}: No such file or directory"
+    for doc in ([1], "text", {"schema": "another/1"}, {}):
+        path.write_text(json.dumps(rules.seal(doc) if isinstance(doc, dict) else doc))
+        assert _load(path) == f"{path} is not a vllm-dflash validation report", doc
+    for section in ("profile", "server"):
+        path.write_text(json.dumps(rules.seal({**report(), section: [section]})))
+        assert _load(path) == f"report {path} lacks its '{section}' section"
+    for gates in ("abc", 5, {"gate": "x"}, None):
+        path.write_text(json.dumps(rules.seal({**report(), "gates": gates})))
+        assert _load(path) == f"report {path} has no list of gates", gates
+    path.write_text(json.dumps(rules.seal(report())))
+    assert rules.load(path, None, PublishRefusedError).data == rules.seal(report())
+
+
+def test_a_report_that_measured_nothing_says_why() -> None:
+    prof = profile()
+    errored = edited(report(prof), lambda d: d.update(verdict="error", error="the server did not start", gates=[]))
+    got = verdict.rejudge(errored, prof)
+    assert got == verdict.Rejudged(verdict="error", error="the server did not start")
+    assert got.reason == "error: the server did not start"
+    silent = verdict.rejudge(edited(errored, lambda d: d.pop("error")), prof)
+    assert isinstance(silent, verdict.Rejudged) and silent.reason == "error: none recorded"
+    failed = verdict.rejudge(report(profile(min_acceptance_length=3.0)), profile(min_acceptance_length=3.0))
+    assert isinstance(failed, verdict.Rejudged) and failed.reason == "failed gates ['min_acceptance_length']"
+
+
+def test_k_of_one_is_a_profile_and_zero_none() -> None:
+    """k = 1 (one draft token per draft) is the smallest k a profile states; k = 0, a bool or a float is none."""
+    before = scrape(0, 0, 0, {})
+    after = scrape(10, 10, 6, {0: 6})
+    data = {
+        "verdict": "pass",
+        "counters": {"before": before.as_dict(), "after": after.as_dict(), "delta": after.minus(before).as_dict()},
+    }
+    got = rules.measured_counts(data, 1, "dflash")
+    assert isinstance(got, rules.Counts) and got.values["num_accepted_tokens"] == 6
+    for k in (0, -1, True, 1.0):
+        assert rules.measured_counts(data, k, "dflash") == "its profile states no num_speculative_tokens >= 1", k
+    assert "exceed 10 drafts x k = 1" in str(rules.measured_counts(edited(data, _more_tokens), 1, "dflash"))
+
+
+def _more_tokens(d: dict[str, Any]) -> None:
+    for where in ("after", "delta"):
+        d["counters"][where]["num_draft_tokens"] = 11

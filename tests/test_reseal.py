@@ -258,8 +258,8 @@ def test_validate_refuses_what_vllm_never_exports(fake: Any, root: Path, tmp_pat
     """The same rules at the source: a server whose /metrics carries these is unmeasurable (exit 2, one line)."""
     _, state = fake
     cases = {
-        "sub-epsilon": (served(1e-8, 1.5e-7, 5e-7, (1e-8, 1e-8, 4.8e-7) + (0,) * 12), "is not a whole count"),
-        "fractional": (served(100, 1500, 150.5, (100, 50.5) + (0,) * 13), "is not a whole count"),
+        "sub-epsilon": (served(1e-8, 1.5e-7, 5e-7, (1e-8, 1e-8, 4.8e-7) + (0,) * 12), "is not a whole number"),
+        "fractional": (served(100, 1500, 150.5, (100, 50.5) + (0,) * 13), "is not a whole number"),
         "zero-padded": (metrics(100, 1500, 150, [',position="00"} 100', ',position="1"} 50']), "not an integer"),
         "5000-digit": (metrics(100, 1500, 150, [f',position="{"9" * 5000}"}} 150']), "not an integer"),
         "no-family": (metrics(100, 1500, 150, []), "no per-position counts"),

@@ -102,8 +102,7 @@ def check_gate(
     # k, the gates and their thresholds are the manifest's, and the verdict is the one the report's counters give.
     judged = verdict.check(rep, manifest.profiles, PublishRefusedError, "validate again with the manifest's profile")
     if judged.verdict != "pass":
-        failed = f"failed gates {list(judged.failed)}" if judged.failed else f"error: {rep.error}"
-        raise PublishRefusedError(f"report {report_path} did not pass (verdict {judged.verdict}, {failed})", "")
+        raise PublishRefusedError(f"report {report_path} did not pass (verdict {judged.verdict}, {judged.reason})", "")
     if rep.artifact_sha256 != artifact.sha256:
         raise PublishRefusedError(
             f"report {report_path} is for another artifact ({rep.artifact_sha256 or 'none named'}), "

@@ -96,15 +96,6 @@ def write(report: Mapping[str, Any], path: Path, key: bytes | None = None) -> No
 
 
 @dataclass(frozen=True)
-class Gate:
-    gate: str
-    passed: bool
-    value: float | None
-    threshold: float | None
-    detail: str
-
-
-@dataclass(frozen=True)
 class ValidationReport:
     """A sealed report read back from disk, with typed access to what its readers decide on."""
 
@@ -113,22 +104,8 @@ class ValidationReport:
     raw: bytes = b""  # the bytes it was read from (what a release attaches: read once, checked, copied)
 
     @property
-    def verdict(self) -> str:
-        return str(self.data.get("verdict"))
-
-    @property
-    def error(self) -> str | None:
-        err = self.data.get("error")
-        return str(err) if err is not None else None
-
-    @property
     def profile_name(self) -> str:
         return str((self.data.get("profile") or {}).get("name"))
-
-    @property
-    def profile_sha256(self) -> str | None:
-        sha = (self.data.get("profile") or {}).get("sha256")
-        return str(sha) if sha is not None else None
 
     @property
     def artifact(self) -> Mapping[str, Any]:
@@ -138,11 +115,6 @@ class ValidationReport:
     def artifact_sha256(self) -> str | None:
         sha = self.artifact.get("sha256")
         return str(sha) if sha is not None else None
-
-    @property
-    def artifact_name(self) -> str | None:
-        name = self.artifact.get("name")
-        return str(name) if name is not None else None
 
     @property
     def acceptance_length(self) -> float | None:
@@ -162,30 +134,6 @@ class ValidationReport:
     def exploratory(self) -> str | None:
         why = self.data.get("exploratory")
         return str(why) if why else None
-
-    @property
-    def gates(self) -> tuple[Gate, ...]:
-        out: list[Gate] = []
-        for g in self.data.get("gates") or []:
-            if isinstance(g, Mapping):
-                out.append(
-                    Gate(
-                        gate=str(g.get("gate")),
-                        passed=bool(g.get("passed")),
-                        value=g.get("value") if isinstance(g.get("value"), int | float) else None,
-                        threshold=g.get("threshold") if isinstance(g.get("threshold"), int | float) else None,
-                        detail=str(g.get("detail", "")),
-                    )
-                )
-        return tuple(out)
-
-    @property
-    def failed_gates(self) -> tuple[str, ...]:
-        return tuple(g.gate for g in self.gates if not g.passed)
-
-    def why_not_passed(self) -> str:
-        failed = self.failed_gates
-        return f"failed gates {list(failed)}" if failed else f"error: {self.error}"
 
 
 REPORT_LIMIT = 64 << 20  # a report of thousands of prompts is a few MB
@@ -258,9 +206,9 @@ def count_value_problem(name: str, value: Any) -> str | None:
 def position_of(label: Any) -> int | None:
     """The draft position a per-position label names when it is written as vLLM writes one (`str(int)`: ASCII
     digits, no sign, no zero padding, at most MAX_POSITION_DIGITS of them); else None."""
-    if not isinstance(label, str) or not 0 < len(label) <= MAX_POSITION_DIGITS:
+    if not isinstance(label, str) or len(label) > MAX_POSITION_DIGITS:
         return None
-    if not (label.isascii() and label.isdigit()) or (label != "0" and label.startswith("0")):
+    if not (label.isascii() and label.isdigit()) or (label != "0" and label.startswith("0")):  # "" is no digit
         return None
     return int(label)
 

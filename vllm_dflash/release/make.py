@@ -106,8 +106,7 @@ def _attach_reports(
         rep = reports.load(path, key, VerifyError, "pass the report `vllm-dflash validate` wrote")
         judged = verdict.check(rep, profiles, VerifyError, "attach the report `vllm-dflash validate` wrote")
         if judged.verdict != "pass":
-            failed = f"failed gates {list(judged.failed)}" if judged.failed else f"error: {rep.error}"
-            raise VerifyError(f"report {path} did not pass ({failed})", "attach passing reports only")
+            raise VerifyError(f"report {path} did not pass ({judged.reason})", "attach passing reports only")
         wheel = by_sha.get(rep.artifact_sha256 or "")
         if wheel is None:
             raise VerifyError(
@@ -118,7 +117,7 @@ def _attach_reports(
         if name in contents:
             raise VerifyError(f"two reports of profile {rep.profile_name} for {wheel.filename}", "attach one")
         contents[name] = rep.raw  # the very bytes that were checked
-        attached.append(AttachedReport(name=name, wheel=wheel.filename, report=rep))
+        attached.append(AttachedReport(name=name, wheel=wheel.filename, report=rep, judged=judged))
     return attached, contents
 
 

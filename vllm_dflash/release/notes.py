@@ -13,6 +13,7 @@ from vllm_dflash.oci import repository_problem
 from vllm_dflash.release import layout
 from vllm_dflash.release.facts import Requirement, SourceMaterial, WheelFacts
 from vllm_dflash.report import ValidationReport
+from vllm_dflash.validate.verdict import Rejudged
 
 # Shown first, when the wheel requires them: what decides whether it runs on a given GPU stack.
 KEY_COMPONENTS = (
@@ -56,6 +57,7 @@ class AttachedReport:
     name: str  # file name in the release
     wheel: str
     report: ValidationReport
+    judged: Rejudged  # what its evidence gives under the manifest's profile: the notes print this, not its words
 
 
 def _cell(text: str) -> str:
@@ -97,9 +99,9 @@ def _components(wheels: Sequence[WheelFacts]) -> list[str]:
     return lines
 
 
-def _gates(rep: ValidationReport) -> str:
+def _gates(judged: Rejudged) -> str:
     parts = []
-    for g in rep.gates:
+    for g in judged.gates:
         value = f"{g.value:.2f}" if g.value is not None else "?"
         threshold = f"{g.threshold:.2f}" if g.threshold is not None else "?"
         parts.append(f"{g.gate}: {value} vs {threshold} {'pass' if g.passed else 'FAIL'}")
@@ -182,11 +184,11 @@ def release_notes(
         ]
         platform_of = {w.filename: w.platform for w in wheels}
         for a in sorted(reports, key=lambda a: (platform_of[a.wheel], a.name)):
-            al = a.report.acceptance_length
+            al = a.judged.acceptance_length
             out.append(
                 f"| {platform_of[a.wheel]} | {_cell(a.report.profile_name)} | {f'{al:.2f}' if al is not None else '?'} "
-                f"| {_cell(_gates(a.report))} | {_cell(_prompts(a.report))} | {_cell(a.report.binding)} "
-                f"| {a.report.verdict} | `{a.name}` |"
+                f"| {_cell(_gates(a.judged))} | {_cell(_prompts(a.report))} | {_cell(a.report.binding)} "
+                f"| {a.judged.verdict} | `{a.name}` |"
             )
         missing = [w.platform for w in wheels if not any(a.wheel == w.filename for a in reports)]
         if missing:

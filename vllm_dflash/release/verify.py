@@ -314,8 +314,7 @@ def _wheel_reports(
         rep = reports.load(directory / name, options.report_key, VerifyError, _RESTORE)
         judged = verdict.check(rep, options.profiles, VerifyError, _RESTORE)
         if judged.verdict != "pass":
-            failed = f"failed gates {list(judged.failed)}" if judged.failed else f"error: {rep.error}"
-            raise VerifyError(f"{name}: verdict {judged.verdict} ({failed})", "attach passing reports only")
+            raise VerifyError(f"{name}: verdict {judged.verdict} ({judged.reason})", "attach passing reports only")
         if rep.artifact_sha256 != facts.sha256:
             raise VerifyError(
                 f"{name}: names artifact {rep.artifact_sha256 or 'none'}, not {facts.filename} ({facts.sha256})",

@@ -13,7 +13,6 @@ ones again to the counters it carries.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,16 +166,10 @@ def parse_spec_counters(text: str) -> SpecCounters:
             if not sample.name.endswith("_total") and sample.name != family.name:
                 continue
             value = float(sample.value)
-            if not math.isfinite(value) or value < 0:
+            problem = rules.count_value_problem("its value", value)  # the report owns the rule for a count
+            if problem is not None:
                 raise MeasurementError(
-                    f"malformed metrics: counter sample `{_sample_line(sample)}` is not a finite count >= 0",
-                    _MALFORMED_HINT,
-                )
-            if rules.count_value_problem(name, value) is not None:
-                raise MeasurementError(
-                    f"malformed metrics: counter sample `{_sample_line(sample)}` is not a whole count "
-                    f"(at most 2^53) as vLLM exports one",
-                    _MALFORMED_HINT,
+                    f"malformed metrics: counter sample `{_sample_line(sample)}`: {problem}", _MALFORMED_HINT
                 )
             if name == ACCEPTED_PER_POS:
                 label = sample.labels.get("position")
@@ -274,7 +267,7 @@ def cut_drafts_line(acc: Acceptance, max_num_seqs: int | None, budget: int | Non
     """One line when vLLM drafted fewer than k tokens per draft on average (its token budget cut them), saying which
     serve argument to raise and to what, from k and max_num_seqs (as the serve args state them; None: not given)."""
     k = acc.num_speculative_tokens
-    if k <= 0 or acc.mean_draft_tokens >= k:
+    if acc.mean_draft_tokens >= k:  # all k drafted (k = 0, no k known, too: a mean is never below 0)
         return None
     said = f"vLLM cut the drafts: {acc.mean_draft_tokens:.2f} of k = {k} draft tokens per draft on average"
     if max_num_seqs is None:

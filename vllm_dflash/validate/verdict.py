@@ -30,10 +30,16 @@ class Rejudged:
     verdict: str
     gates: tuple[Verdict, ...] = ()
     acceptance_length: float | None = None
+    error: str | None = None  # what stopped a run that measured nothing, as its report says
 
     @property
     def failed(self) -> tuple[str, ...]:
         return tuple(v.gate for v in self.gates if not v.passed)
+
+    @property
+    def reason(self) -> str:
+        """Why it did not pass, in a few words: the gates its evidence fails, or the error that stopped it."""
+        return f"failed gates {list(self.failed)}" if self.failed else f"error: {self.error or 'none recorded'}"
 
 
 def profile_difference(recorded: Any, profile: Profile) -> str | None:
@@ -138,7 +144,8 @@ def rejudge(data: Mapping[str, Any], profile: Profile) -> Rejudged | str:
         return problem
     recorded = data.get("verdict")
     if recorded not in ("pass", "fail"):
-        return Rejudged(verdict="error")
+        said = data.get("error")
+        return Rejudged(verdict="error", error=str(said)[:300] if said is not None else None)
     k, method = profile.num_speculative_tokens, profile.method
     problem = rules.measurement_problem(data, k, method)
     if problem is not None:
