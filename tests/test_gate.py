@@ -770,6 +770,176 @@ def test_refused_release_publish_writes_nothing(release: tuple[Path, Path], root
     assert tree_hash(index) == before and not (index / "simple").exists()
 
 
+def test_a_release_publish_decides_platform_by_platform(release: tuple[Path, Path], root: Path, tmp_path: Path) -> None:
+    """Every platform the manifest builds is decided: one without a wheel refuses the release, a report that fails
+    the gate is named with its reason, and a wheel file given for a release directory is refused."""
+    import vllm_dflash.publish as pub
+    from vllm_dflash.errors import PublishRefusedError
+    from vllm_dflash.manifest import load_manifest
+
+    rel, wheel = release
+    index = tmp_path / "index"
+    publish_refused(root, index, rel, "--accept-declared-binding", words="aarch64: the release has no wheel for it")
+    name = next(p.name for p in rel.iterdir() if ".validation-" in p.name)
+    publish_refused(root, index, rel, "--platform", "x86_64", words=f"x86_64: {name}: report ")
+    run = cli(root, "publish", rel, "--platform", "x86_64", "--to", index)
+    assert "declared" in run.stderr and "no validation report" not in run.stderr, run.stderr
+    plan = pub.publish_plan(rel, load_manifest(root), ["x86_64"], accept_declared=True)
+    assert [(d.platform, d.refusal, d.profile) for d in plan.decisions] == [("x86_64", None, PROFILE)]
+    # Both platforms' wheels, only x86_64 validated: aarch64 is refused for want of a report, and one wheel of the
+    # two (a part of the release) is no release to publish.
+    from vllm_dflash import provenance as prov
+
+    version, tag = "0.20.1+dflash.1", "py3-none-manylinux_2_35_aarch64"
+    files = {"vllm/__init__.py": b"# ours\n", prov.PATH: provenance_bytes("vllm", version, tag)}
+    arm = write_wheel(tmp_path / "arm", "vllm", version, files, tag=tag)
+    both = tmp_path / "both"
+    report = next(rel.glob("*.validation-*"))
+    assert cli(root, "release", wheel, arm, "--out", both, "--report", report).returncode == 0
+    publish_refused(
+        root, index, both, "--accept-declared-binding", words=f"aarch64: no validation report for {arm.name}"
+    )
+    with pytest.raises(PublishRefusedError, match="is one artifact, not a release directory"):
+        pub.publish_plan(both / wheel.name, load_manifest(root), ["x86_64"], accept_declared=True)
+
+
+def test_a_release_publish_takes_the_first_report_that_passes(
+    fake: tuple[str, Fake], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two reports for one wheel, the first of a profile publishing does not require: it is passed over (named in
+    no refusal), the second lets the wheel in, and the index records that one."""
+    root = checkout_requiring(tmp_path / "checkout", {PROFILE: TABLE, "gate-aside": TABLE})
+    doc = tomlkit.parse((root / "dist.toml").read_text())
+    doc["publish"]["required_profiles"] = [PROFILE]  # type: ignore[index]
+    (root / "dist.toml").write_text(tomlkit.dumps(doc))
+    url, state = fake
+    wheel = make_vllm_wheel(tmp_path / "dist")
+    state.version = "0.20.1+dflash.1"
+    reports = []
+    for profile in ("gate-aside", PROFILE):  # "gate-aside" sorts first in the release
+        state.scrapes = 0
+        out = tmp_path / f"{profile}.json"
+        done = cli(root, "validate", "--profile", profile, "--endpoint", url, "--wheel", wheel, "--report", out,
+                   "--quiet")  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        reports.append(out)
+    rel = tmp_path / "release"
+    assert cli(root, "release", wheel, "--out", rel, "--report", reports[0], "--report", reports[1]).returncode == 0
+    index = tmp_path / "index"
+    run = cli(root, "publish", *publish_release_args(rel), "--to", index)
+    assert run.returncode == 0, run.stdout + run.stderr
+    records = list((index / "simple" / "vllm").glob("*.publish*"))
+    assert records and all(PROFILE in r.read_text() and "gate-aside" not in r.read_text() for r in records)
+
+
+def test_a_release_to_an_upload_url_needs_a_place_for_its_other_files(
+    release: tuple[Path, Path], root: Path, tmp_path: Path
+) -> None:
+    rel, _ = release
+    run = cli(root, "publish", *publish_release_args(rel), "--to", "https://upload.example/legacy/")
+    assert run.returncode == 12 and "is an upload URL, which carries wheels only" in run.stderr, run.stderr
+
+
+def test_a_release_published_again_replaces_nothing(release: tuple[Path, Path], root: Path, tmp_path: Path) -> None:
+    """The same release published twice: the second run finds every file in place, byte for byte, and leaves each
+    one as it is (the same inode: nothing rewritten). A destination that is a directory is refused."""
+    rel, _ = release
+    index = tmp_path / "index"
+    assert cli(root, "publish", *publish_release_args(rel), "--to", index).returncode == 0
+    files = index / "releases" / "0.20.1+dflash.1"
+    inodes = {p.name: p.stat().st_ino for p in files.iterdir()}
+    assert cli(root, "publish", *publish_release_args(rel), "--to", index).returncode == 0
+    assert {p.name: p.stat().st_ino for p in files.iterdir()} == inodes
+    (files / "RELEASE-NOTES.md").unlink()
+    (files / "RELEASE-NOTES.md").mkdir()
+    publish_refused(root, index, *publish_release_args(rel), words="RELEASE-NOTES.md is not a regular file")
+
+
+def test_a_release_publish_that_fails_midway_leaves_the_index_as_it_was(
+    release: tuple[Path, Path], root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills while the release's files are staged: one storage line (exit 15), and neither the staged
+    wheel nor any release file nor a new directory is left; the same publish then succeeds."""
+    import errno
+
+    import vllm_dflash.publish as pub
+
+    rel, _ = release
+    index = tmp_path / "index"
+    real, calls = pub._stage_release_file, []
+
+    def fill_up(src: Path, dest: Path, sha256: str) -> Path:
+        calls.append(dest.name)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(src, dest, sha256)
+
+    monkeypatch.setattr(pub, "_stage_release_file", fill_up)
+    run = cli(root, "publish", *publish_release_args(rel), "--to", index)
+    assert run.returncode == 15 and len(error_lines(run)) == 1 and "No space left" in run.stderr, run.stderr
+    assert not (index / "releases" / "0.20.1+dflash.1").exists() and not (index / "simple" / "vllm").exists()
+    assert not [p for p in index.rglob("*") if p.is_file() and not p.name.startswith(".")], list(index.rglob("*"))
+    assert not [p for p in index.rglob("*.part")], "a staged part was left"
+    # A refusal while staging (a release file changed after verify) is its own line and cleans up alike.
+    from vllm_dflash.errors import PublishRefusedError
+
+    def changed(src: Path, dest: Path, sha256: str) -> Path:
+        raise PublishRefusedError(f"{src} changed after it was verified", "verify and publish the release again")
+
+    monkeypatch.setattr(pub, "_stage_release_file", changed)
+    run = cli(root, "publish", *publish_release_args(rel), "--to", index)
+    assert run.returncode == 12 and "changed after it was verified" in run.stderr, run.stderr
+    assert not (index / "simple" / "vllm").exists() and not [p for p in index.rglob("*.part")]
+    monkeypatch.setattr(pub, "_stage_release_file", real)
+    assert cli(root, "publish", *publish_release_args(rel), "--to", index).returncode == 0
+
+
+def test_a_release_writes_through_the_index_s_own_directories_in_one_transaction(
+    release: tuple[Path, Path], root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`releases/` a symbolic link is refused before anything is written; a publish holds the index's lock from
+    its checks to the last rename."""
+    from vllm_dflash import simple_index
+
+    rel, _ = release
+    index = tmp_path / "index"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    index.mkdir()
+    (index / "releases").symlink_to(elsewhere)
+    publish_refused(root, index, *publish_release_args(rel), words="index directory")
+    assert not list(elsewhere.iterdir())
+    (index / "releases").unlink()
+    real, held = simple_index.LocalIndex.transaction, []
+
+    @contextlib.contextmanager
+    def watched(self: Any) -> Iterator[None]:
+        with real(self):
+            held.append("in")
+            yield
+            held.append((index / "releases" / "0.20.1+dflash.1" / "SHA256SUMS").exists())
+
+    monkeypatch.setattr(simple_index.LocalIndex, "transaction", watched)
+    assert cli(root, "publish", *publish_release_args(rel), "--to", index).returncode == 0
+    assert held == ["in", True], held  # the release files were in place before the lock was let go
+
+
+def test_a_release_to_an_upload_url_uploads_each_wheel_and_attaches_the_rest(
+    release: tuple[Path, Path], root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vllm_dflash.publish as pub
+
+    rel, wheel = release
+    uploads: list[tuple[str, str, str | None]] = []
+    monkeypatch.setattr(pub, "publish_wheel_twine", lambda w, url, sha=None: uploads.append((Path(w).name, url, sha)))
+    files = tmp_path / "attached"
+    url = "https://upload.example/legacy/"
+    run = cli(root, "publish", *publish_release_args(rel), "--to", url, "--attach-to", files)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert uploads == [(wheel.name, url, sha256_file(wheel))]
+    assert (files / "SHA256SUMS").read_bytes() == (rel / "SHA256SUMS").read_bytes()
+
+
 def test_release_refuses_a_resealed_impossible_report(
     validated: Callable[..., Path], root: Path, tmp_path: Path
 ) -> None:

@@ -321,3 +321,142 @@ def test_publish_uploads_with_twine_to_an_index_server(
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# How publish treats the container tool's answers (a fake tool on disk: the test is about our reading of them) and
+# the environment it needs (twine, a writable destination).
+
+
+def fake_tool(tmp: Path, name: str, digestfile: str | None = None, repo_digests: str = "") -> tuple[Path, Path]:
+    """An executable `name` that logs its arguments; `push --digestfile F` writes `digestfile` to F (None: writes
+    nothing); `image inspect` prints `repo_digests`."""
+    calls = tmp / f"{name}.calls"
+    write = f"printf '%s' '{digestfile}' > \"$3\"" if digestfile is not None else ":"
+    tool = tmp / name
+    tool.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n'
+        f'case "$1" in\n  push) if [ "$2" = --digestfile ]; then {write}; fi ;;\n'
+        f"  image) printf '%s' '{repo_digests}' ;;\nesac\n"
+    )
+    tool.chmod(0o755)
+    return tool, calls
+
+
+def test_podman_push_reads_the_digest_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_dflash.publish import publish_image
+
+    path = os.environ["PATH"]
+    monkeypatch.setenv("PATH", f"{tmp_path}:{path}")
+
+    _, calls = fake_tool(tmp_path, "podman", digestfile="sha256:" + "a" * 64 + "\n")
+    assert publish_image("sha256:" + "1" * 64, "reg.example/ml/vllm:1", "podman") == "sha256:" + "a" * 64
+    lines = calls.read_text().splitlines()
+    assert lines[0] == f"tag sha256:{'1' * 64} reg.example/ml/vllm:1"  # the validated image ID, never a name
+    assert lines[1].startswith("push --digestfile ") and lines[1].endswith(" reg.example/ml/vllm:1")
+    assert len(lines) == 2  # podman's answer is the digest file: no inspect
+    for answer in ("", None):  # an empty digest file, or none written: no digest known, and no guess
+        sub = tmp_path / ("empty" if answer == "" else "none")
+        sub.mkdir()
+        _, calls = fake_tool(sub, "podman", digestfile=answer)
+        monkeypatch.setenv("PATH", f"{sub}:{path}")
+        assert publish_image("sha256:" + "1" * 64, "reg.example/ml/vllm:1", "podman") is None
+        assert [ln.split()[0] for ln in calls.read_text().splitlines()] == ["tag", "push"]
+
+
+def test_docker_push_reads_the_repo_digest_of_the_pushed_repository(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_dflash.publish import publish_image
+
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+    ours, other = "sha256:" + "b" * 64, "sha256:" + "c" * 64
+    digests = f'["elsewhere.example/ml/vllm@{other}", "reg.example:5000/ml/vllm@{ours}"]'
+    for to in ("reg.example:5000/ml/vllm:1", "reg.example:5000/ml/vllm"):  # a tag, or a registry port alone
+        _, calls = fake_tool(tmp_path, "docker", repo_digests=digests)
+        assert publish_image("sha256:" + "1" * 64, to, "docker") == ours, to
+        lines = calls.read_text().splitlines()
+        assert lines[1] == f"push {to}" and lines[2].startswith("image inspect"), lines  # docker has no digest file
+        calls.unlink()
+    for answer in ("", "not json", f'["elsewhere.example/ml/vllm@{other}"]'):
+        _, calls = fake_tool(tmp_path, "docker", repo_digests=answer)
+        assert publish_image("sha256:" + "1" * 64, "reg.example:5000/ml/vllm:1", "docker") is None, answer
+        calls.unlink()
+
+
+def test_without_twine_an_upload_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from vllm_dflash.errors import ToolchainError
+    from vllm_dflash.publish import publish_wheel_twine
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "twine" else real(name, *a))
+    with pytest.raises(ToolchainError, match="twine is not installed"):
+        publish_wheel_twine(make_wheel(tmp_path / "w"), "https://upload.example/legacy/")
+
+
+def test_a_destination_that_cannot_be_written_is_refused_first(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A read-only destination (as root, only a read-only mount is one: os.access answers for the test) is refused
+    before the report is even read; a plain path and file:// are local, both checked."""
+    wheel = make_wheel(tmp_path / "w")
+    dest = tmp_path / "ro"
+    dest.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: False if Path(p) == dest else real(p, mode, *a, **k))
+    for to in (str(dest / "index"), (dest / "index").as_uri()):
+        err = refused(capsys, ["--root", str(root), "publish", str(wheel), "--to", to])
+        assert err == f"error: --to {to}: {dest} is not writable -- choose a directory you can write", err
+
+
+def test_a_report_naming_no_artifact_is_refused_as_such(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wheel = make_wheel(tmp_path / "w")
+    server = {"mode": "subprocess", "artifact": {"kind": "wheel", "name": "x.whl", "binding": "installed"}}
+    report = make_report(root, "", tmp_path / "r.json", server=server)
+    line = refused(capsys, ["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "i"), "--report",
+                            str(report)])  # fmt: skip
+    assert f"is for another artifact (none named), not {wheel.name}" in line, line
+
+
+def test_the_record_says_declared_was_accepted_only_when_it_was(root: Path, tmp_path: Path) -> None:
+    """--accept-declared-binding on a report that binds by its installed files: the record does not claim a declared
+    binding was let in; on a declared one it does."""
+    for binding, want in (("installed", False), ("declared", True)):
+        wheel = make_wheel(tmp_path / binding, version="1.0.0" if binding == "installed" else "1.0.1")
+        server = {"mode": "subprocess", "artifact": {"kind": "wheel", "name": wheel.name,
+                                                     "sha256": sha256_file(wheel), "binding": binding}}  # fmt: skip
+        report = make_report(root, sha256_file(wheel), tmp_path / f"{binding}.json", server=server)
+        index = tmp_path / "index"
+        assert main(["--root", str(root), "publish", str(wheel), "--to", str(index), "--report", str(report),
+                     "--accept-declared-binding"]) == 0  # fmt: skip
+        records = [json.loads(p.read_text()) for p in (index / "simple" / "gatedemo").glob(f"{wheel.name}.publish*")]
+        flat = json.dumps(records)
+        assert f'"declared_binding_accepted": {str(want).lower()}' in flat, flat
+
+
+def test_twine_uploads_the_bytes_it_hashed_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a validated digest given, the upload hashes the wheel as it is and uploads that copy."""
+    import vllm_dflash.publish as pub
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(pub.proc, "call", lambda *a, **k: seen.append([str(x) for x in a]))
+    wheel = make_wheel(tmp_path / "w")
+    pub.publish_wheel_twine(wheel, "https://upload.example/legacy/")
+    assert seen and seen[0][2:4] == ["twine", "upload"] and seen[0][-1].endswith(wheel.name), seen
+    with pytest.raises(PublishRefusedError, match="changed: its bytes have sha256"):
+        pub.publish_wheel_twine(wheel, "https://upload.example/legacy/", "0" * 64)
+
+
+def test_a_wheel_without_our_provenance_is_not_published(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wheel = write_wheel(tmp_path / "w", "gatedemo", "1.0.0", {"gatedemo/__init__.py": b"VALUE = 1\n"})
+    report = make_report(root, sha256_file(wheel), tmp_path / "r.json")
+    index = tmp_path / "index"
+    line = refused(capsys, ["--root", str(root), "publish", str(wheel), "--to", str(index), "--report", str(report)])
+    assert "carries no vllm/dflash_build.json: it is no build of ours" in line and not index.exists(), line

@@ -286,7 +286,7 @@ def publish_image(image_id: str, to: str, tool: str) -> str | None:
     found = proc.call(tool, "image", "inspect", "--format", "{{json .RepoDigests}}", to, capture=True, check=False)
     repo = to.rsplit(":", 1)[0] if ":" in to.rsplit("/", 1)[-1] else to
     with contextlib.suppress(ValueError, TypeError):
-        for ref in json.loads(found.stdout or "[]"):
+        for ref in json.loads(found.stdout):  # no JSON (or no list) is no digest
             if str(ref).startswith(f"{repo}@sha256:"):
                 return str(ref).split("@", 1)[1]
     return None
@@ -479,7 +479,7 @@ def publish_release(
         planned = check()
 
         # Writing: every copy (wheels and release files) staged and hashed first, then all renamed into place.
-        staged = idx.stage(*planned) if idx is not None else None
+        staged = (idx, idx.stage(*planned)) if idx is not None else None  # the index and its staged wheels
         parts: list[tuple[Path, Path]] = []
         made_dirs = [p for p in (files_dir.parent, files_dir) if not p.exists()]
         try:
@@ -495,14 +495,14 @@ def publish_release(
             for new_dir in reversed(made_dirs):
                 with contextlib.suppress(OSError):
                     new_dir.rmdir()
-            if staged is not None and idx is not None:
-                idx.abort(staged)
+            if staged is not None:
+                staged[0].abort(staged[1])
             if isinstance(exc, OSError):
                 raise storage_error(exc, files_dir, "write") from None
             raise
-        if staged is not None and idx is not None:
-            idx.commit(staged)
-            destination = idx.simple.as_uri()
+        if staged is not None:
+            staged[0].commit(staged[1])
+            destination = staged[0].simple.as_uri()
         else:
             for d in chosen:
                 assert d.wheel is not None
