@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 
 from vllm_dflash.errors import PublishRefusedError
+from vllm_dflash.manifest import Manifest
 from vllm_dflash.report import load
+from vllm_dflash.validate.verdict import check
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.heavy, pytest.mark.slow, pytest.mark.miniature]
@@ -64,7 +66,7 @@ def swapped(patched: Run) -> Run:
     return Run(patched.code, f"validated wheel: {wheel}\n", "", report, path, patched.logs)
 
 
-def test_three_numbers_side_by_side_and_the_gates(patched: Run) -> None:
+def test_three_numbers_side_by_side_and_the_gates(patched: Run, manifest: Manifest) -> None:
     assert patched.code == 0, patched.stderr[-3000:]
     r = patched.report
     ours = r["acceptance"]["mean_acceptance_length"]
@@ -94,7 +96,9 @@ def test_three_numbers_side_by_side_and_the_gates(patched: Run) -> None:
     # The report names the exact wheel, bound by its installed files.
     art = r["server"]["artifact"]
     assert art["binding"] == "installed" and art["name"] == patched.wheel().name
-    assert load(patched.report_path, None, PublishRefusedError).verdict == "pass"
+    # Sealed, and its counters give the same verdict under the manifest's profile (what publish decides on).
+    rep = load(patched.report_path, None, PublishRefusedError)
+    assert check(rep, manifest.profiles, PublishRefusedError).verdict == "pass"
 
 
 def test_the_server_log_says_how_each_drafter_layer_was_resolved(patched: Run) -> None:
@@ -104,7 +108,7 @@ def test_the_server_log_says_how_each_drafter_layer_was_resolved(patched: Run) -
     assert "layer 2: full_attention" in line
 
 
-def test_swapping_in_stock_fails_and_says_why(swapped: Run, patched: Run) -> None:
+def test_swapping_in_stock_fails_and_says_why(swapped: Run, patched: Run, manifest: Manifest) -> None:
     gates = {g["gate"]: g for g in swapped.report["gates"]}
     ref = gates["reference_acceptance_length"]
     assert not ref["passed"] and ref["value"] < ref["threshold"]
@@ -116,7 +120,8 @@ def test_swapping_in_stock_fails_and_says_why(swapped: Run, patched: Run) -> Non
     assert swapped.report["server"]["artifact"] == stock["server"]["artifact"]
     assert swapped.report["server"]["artifact"]["binding"] == "installed"
     assert swapped.report["server"]["artifact"]["name"] == swapped.wheel().name != patched.wheel().name
-    assert load(swapped.report_path, None, PublishRefusedError).verdict == "fail"  # sealed like any report
+    rep = load(swapped.report_path, None, PublishRefusedError)  # sealed like any report
+    assert check(rep, manifest.profiles, PublishRefusedError).verdict == "fail"
 
 
 def test_publish_accepts_ours_and_refuses_stock(patched: Run, swapped: Run, tmp_path: Path) -> None:
