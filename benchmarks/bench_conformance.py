@@ -127,7 +127,7 @@ def _executors(cases: list[str]) -> int:
         )
         walls[executor] = time.perf_counter() - t0
         ok = ok and result.ok
-        rows[executor] = {case: row for (_, case), row in _costs(result.work_dir).items()}  # type: ignore[misc]
+        rows[executor] = {case: row for (_, case), row in _costs(result.work_dir).items()}
     print("\n" + f"{'case':16s}" + "".join(f" {e + ' init':>11s} {e + ' gen':>10s}" for e in EXECUTORS))
     for case in cases:
         cells = "".join(

@@ -138,8 +138,8 @@ def checkout_requiring(root: Path, profiles: Mapping[str, Mapping[str, object]])
     shutil.copy(REPO / "VERSION", root / "VERSION")
     doc = tomlkit.parse((REPO / "dist.toml").read_text())
     for name, table in profiles.items():
-        doc["profiles"][name] = dict(table)  # type: ignore[index]
-    doc["publish"]["required_profiles"] = list(profiles)  # type: ignore[index]
+        doc["profiles"][name] = dict(table)
+    doc["publish"]["required_profiles"] = list(profiles)
     (root / "dist.toml").write_text(tomlkit.dumps(doc))
     return root
 

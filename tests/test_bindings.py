@@ -234,7 +234,9 @@ def test_the_container_runs_the_image_id_it_inspected(engine: Path, fake: tuple[
     with launch_container(spec, opts, port=port) as server:
         assert server.provenance.artifact_sha256 == "sha256:" + "a" * 64
         assert server.provenance.artifact_name == "ours:1" and server.provenance.binding == "image"
-    runs = [c for c in _state(engine)["calls"] if isinstance(c, list) and c[:1] == ["run"]]  # type: ignore[union-attr]
+    calls = _state(engine)["calls"]
+    assert isinstance(calls, list)
+    runs = [c for c in calls if isinstance(c, list) and c[:1] == ["run"]]
     assert len(runs) == 1
     assert "sha256:" + "a" * 64 in runs[0] and "ours:1" not in runs[0], runs[0]
 

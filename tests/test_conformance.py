@@ -706,6 +706,7 @@ def test_eviction_cases_cover_each_condition_and_run_far_past_the_window() -> No
     }
     assert all(c.name.startswith("evict") for c in EVICT) and not any("evict" in c.name for c in C.CASES if not c.evict)
     for c in EVICT:
+        assert c.sliding_window is not None
         kept = c.sliding_window + c.num_speculative_tokens  # what the patched spec keeps (patch 0004)
         assert c.kv_block_size and -(-kept // c.kv_block_size) <= 2 < 4 <= min(c.prompt_lengths) // c.kv_block_size
         assert c.has_sliding and C.FULL in c.layer_types  # a drafter in two KV-cache groups
@@ -714,6 +715,7 @@ def test_eviction_cases_cover_each_condition_and_run_far_past_the_window() -> No
     assert by["evict-batched"].batched and by["evict-batched"].max_num_seqs == len(by["evict-batched"].prompt_lengths)
     assert by["evict-batched"].kv_cache_bytes is not None  # small enough that freed blocks are handed out again
     chunked = by["evict-chunked"]
+    assert chunked.max_num_batched_tokens and chunked.sliding_window and chunked.kv_block_size
     chunk = chunked.max_num_batched_tokens - (chunked.num_speculative_tokens - 1)  # DFlash reserves k - 1 slots
     (n,) = chunked.prompt_lengths
     last = n // chunk * chunk
@@ -721,6 +723,7 @@ def test_eviction_cases_cover_each_condition_and_run_far_past_the_window() -> No
     assert (last - (chunked.sliding_window + chunked.num_speculative_tokens) + 1) // chunked.kv_block_size > 0
     assert n // chunk + 1 >= chunked.min_prefill_chunks
     prefix = by["evict-prefix"]
+    assert prefix.sliding_window is not None
     assert prefix.prefix_caching and prefix.rounds == 2 and prefix.shared_prefix > 8 * prefix.sliding_window
     assert by["evict-tp2"].tensor_parallel_size == 2
 

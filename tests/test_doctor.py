@@ -53,7 +53,8 @@ def entry(key: str) -> table.Entry:
 def q36() -> dict[str, Any]:
     """The public Qwen3.6-27B-DFlash shape (the table entry's first completion: ids in dflash_config, the window
     dropped by transformers)."""
-    return json.loads(json.dumps(table.completions(entry("z-lab--Qwen3.6-27B-DFlash"))[0][1].config))
+    copied: dict[str, Any] = json.loads(json.dumps(table.completions(entry("z-lab--Qwen3.6-27B-DFlash"))[0][1].config))
+    return copied
 
 
 def mwl() -> dict[str, Any]:
@@ -105,7 +106,10 @@ def test_an_edited_patch_changes_the_doctor(tmp_path: Path, code: ours.OurCode) 
         text.replace('window = dflash_config["swa_window_size"]', 'window = dflash_config["swa_window_size"] + 1')
     )
     cfg = {**q36(), "dflash_config": {"target_layer_ids": [1, 16, 31, 46, 61], "swa_window_size": 512}}
-    windows = lambda d: {r.window for r in d.rows if r.build == "this build"}  # noqa: E731
+
+    def windows(d: D.Diagnosis) -> set[int | None]:
+        return {r.window for r in d.rows if r.build == "this build"}
+
     assert windows(diag(cfg, code)) == {512, None}
     assert windows(diag(cfg, ours.from_patches(tmp_path / "patches"))) == {513, None}
     p.write_text(text.replace("def resolve_dflash_layer_attention(", "def resolve_renamed("))

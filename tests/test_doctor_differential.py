@@ -258,7 +258,7 @@ def test_comparison_catches_a_wrong_rule(manifest: Manifest) -> None:
         "dflash_config": {"target_layer_ids": [1, 5]},
     }
     r = rules.read(OURS, raw, code)
-    side = {
+    side: dict[str, Any] = {
         "loaded": _loaded_view(r, _COMPARED),
         "model_class": ["qwen3_dflash", "DFlashQwen3ForCausalLM"],
         "taps": [2, 6],

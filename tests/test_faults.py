@@ -69,7 +69,7 @@ CRLF_PATCH = (
 )
 
 # (name, how to break the checkout, argv, exit code, a phrase the one line must contain)
-CASES: list[tuple[str, Callable[[Checkout], None] | None, list[str], int, str]] = [
+CASES: list[tuple[str, Callable[[Checkout], object] | None, list[str], int, str]] = [
     ("manifest-undecodable", _write(DIST_TOML, b"\xff\xfe[upstream]\n"), ["build"], 3, "not UTF-8"),
     ("manifest-syntax", _write(DIST_TOML, b"[upstream\n"), ["build"], 3, "not valid TOML"),
     ("manifest-unknown-key", _edit('dist_dir = "dist"', 'dist_dri = "dist"'), ["build"], 3, "did you mean"),
@@ -170,7 +170,7 @@ CASES: list[tuple[str, Callable[[Checkout], None] | None, list[str], int, str]] 
 def test_cli_faults_are_one_line(
     tmp_path: Path,
     name: str,
-    breaker: Callable[[Checkout], None] | None,
+    breaker: Callable[[Checkout], object] | None,
     argv: list[str],
     code: int,
     phrase: str,

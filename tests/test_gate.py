@@ -228,6 +228,7 @@ def test_impossible_measurements_exit_2_with_their_own_line(
     after, words = IMPOSSIBLE[case]
     if case == "decreasing":  # the server restarted between the scrapes
         state.before, after = GOOD, metrics(40, 120, 60, pos(30, 20, 10))
+    assert after is not None
     if case == "no-speculation":
         state.before = after
     state.after = after
@@ -321,11 +322,11 @@ def test_outputs_that_differ_from_the_baseline_fail_the_lossless_gate(fake: tupl
 
 def test_token_budget_below_the_floor_is_refused_at_parse_time(root: Path, tmp_path: Path) -> None:
     doc = tomlkit.parse((root / "dist.toml").read_text())
-    doc["profiles"][PROFILE]["serve_args"] = ["--max-num-seqs", "8", "--max-num-batched-tokens", "40"]  # type: ignore[index]
+    doc["profiles"][PROFILE]["serve_args"] = ["--max-num-seqs", "8", "--max-num-batched-tokens", "40"]
     (root / "dist.toml").write_text(tomlkit.dumps(doc))
     run = cli(root, "validate", "--profile", PROFILE, "--endpoint", "http://127.0.0.1:9")
     assert run.returncode == 3 and "below 2 x k x max_num_seqs = 48" in run.stderr, run.stderr
-    doc["profiles"][PROFILE]["serve_args"] = ["--max-num-seqs", "8", "--max-num-batched-tokens", "48"]  # type: ignore[index]
+    doc["profiles"][PROFILE]["serve_args"] = ["--max-num-seqs", "8", "--max-num-batched-tokens", "48"]
     (root / "dist.toml").write_text(tomlkit.dumps(doc))
     run = cli(root, "validate", "--profile", PROFILE, "--endpoint", "http://127.0.0.1:9", "--health-timeout", "1",
               "--report", tmp_path / "r.json")  # fmt: skip
@@ -433,6 +434,9 @@ def test_declared_binding_needs_the_flag_and_is_recorded(
     assert run.returncode == 0, run.stderr
     records = json.loads((index / "simple" / "gatedemo" / f"{other.name}.publish.json").read_text())
     assert len(records) == 1 and records[0]["binding"] == "declared" and records[0]["declared_binding_accepted"]
+    delta = json.loads(report2.read_text())["counters"]["delta"]  # the AL recorded is the counters' AL
+    assert records[0]["acceptance_length"] == 1 + delta["num_accepted_tokens"] / delta["num_drafts"]
+    assert f"AL {records[0]['acceptance_length']:.2f} from its counters" in run.stdout
     entry = next(
         f for f in json.loads((index / "simple" / "gatedemo" / "index.json").read_text())["files"]
         if f["filename"] == other.name
@@ -734,9 +738,9 @@ def test_release_wheel_swapped_after_verify_is_refused(
 ) -> None:
     """Between `verify` and the copy, the release's wheel is replaced: the copy's own hash refuses it."""
     import vllm_dflash.publish as pub
+    from vllm_dflash.release.verify import verify as real_verify
 
     rel, wheel = release
-    real_verify = pub.verify
     swapped = make_vllm_wheel(tmp_path / "evil", body="# not what was validated\n")
 
     def verify_then_swap(*args: Any, **kwargs: Any) -> Any:
@@ -810,7 +814,7 @@ def test_a_release_publish_takes_the_first_report_that_passes(
     no refusal), the second lets the wheel in, and the index records that one."""
     root = checkout_requiring(tmp_path / "checkout", {PROFILE: TABLE, "gate-aside": TABLE})
     doc = tomlkit.parse((root / "dist.toml").read_text())
-    doc["publish"]["required_profiles"] = [PROFILE]  # type: ignore[index]
+    doc["publish"]["required_profiles"] = [PROFILE]
     (root / "dist.toml").write_text(tomlkit.dumps(doc))
     url, state = fake
     wheel = make_vllm_wheel(tmp_path / "dist")
@@ -910,7 +914,8 @@ def test_a_release_writes_through_the_index_s_own_directories_in_one_transaction
     publish_refused(root, index, *publish_release_args(rel), words="index directory")
     assert not list(elsewhere.iterdir())
     (index / "releases").unlink()
-    real, held = simple_index.LocalIndex.transaction, []
+    real = simple_index.LocalIndex.transaction
+    held: list[object] = []
 
     @contextlib.contextmanager
     def watched(self: Any) -> Iterator[None]:

@@ -583,8 +583,8 @@ def all_platforms(
     assert lines[-2] == tag and lines[-1].startswith("index over "), res.stdout
     tags = {machine: f"{tag}-{machine}" for machine in ("x86_64", "aarch64")}
     timing: dict[str, float] = {"image_all_seconds": round(seconds, 1)}
-    for m in re.finditer(r"^built \S+-(x86_64|aarch64) with podman in (\d+) s$", res.stderr, re.M):
-        timing[f"build_{m.group(1)}_seconds"] = float(m.group(2))
+    for built in re.finditer(r"^built \S+-(x86_64|aarch64) with podman in (\d+) s$", res.stderr, re.M):
+        timing[f"build_{built.group(1)}_seconds"] = float(built.group(2))
     (cache_dir() / "image-all-proof.json").write_text(json.dumps(timing, indent=2))
     releases = [line.removeprefix("release: ") for line in lines if line.startswith("release: --image ")]
     return AllPlatforms(

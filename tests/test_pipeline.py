@@ -54,8 +54,8 @@ def test_build_from_sdist_installs_with_the_label(checkout: Checkout, tmp_path: 
         "print(json.dumps([m.version('vllm'), json.loads((root / 'dflash_build.json').read_text())['version'],"
         " (root / '_C.abi3.so').is_file()]))"
     )
-    out = subprocess.run([str(py), "-c", probe], check=True, capture_output=True, text=True).stdout
-    assert json.loads(out) == ["0.20.1+dflash.1", "0.20.1+dflash.1", True]
+    probed = subprocess.run([str(py), "-c", probe], check=True, capture_output=True, text=True).stdout
+    assert json.loads(probed) == ["0.20.1+dflash.1", "0.20.1+dflash.1", True]
 
 
 def test_build_with_python_patch_and_cpu_base(checkout: Checkout, patch_factory: PatchFactory) -> None:

@@ -442,9 +442,10 @@ def test_the_record_says_declared_was_accepted_only_when_it_was(root: Path, tmp_
 def test_twine_uploads_the_bytes_it_hashed_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a validated digest given, the upload hashes the wheel as it is and uploads that copy."""
     import vllm_dflash.publish as pub
+    from vllm_dflash import proc
 
     seen: list[list[str]] = []
-    monkeypatch.setattr(pub.proc, "call", lambda *a, **k: seen.append([str(x) for x in a]))
+    monkeypatch.setattr(proc, "call", lambda *a, **k: seen.append([str(x) for x in a]))
     wheel = make_wheel(tmp_path / "w")
     pub.publish_wheel_twine(wheel, "https://upload.example/legacy/")
     assert seen and seen[0][2:4] == ["twine", "upload"] and seen[0][-1].endswith(wheel.name), seen

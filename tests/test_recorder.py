@@ -158,9 +158,9 @@ def test_install_wraps_vllms_classes_only_with_a_record_file(monkeypatch: pytest
     here; the conformance runs use the real ones) and wraps them only when a record file is named."""
     import types
 
-    d = type("D", (Drafter,), {"argmax": [1, 2]})
-    p = type("P", (Proposer,), {})
-    r = type("R", (Runner,), {})
+    d: Any = type("D", (Drafter,), {"argmax": [1, 2]})
+    p: Any = type("P", (Proposer,), {})
+    r: Any = type("R", (Runner,), {})
 
     class Manager:  # the KV recorder's classes: allocate_slots / free / the scheduler's __init__
         def allocate_slots(self, *args: object, **kwargs: object) -> None: ...

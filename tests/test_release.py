@@ -278,7 +278,7 @@ def test_unsigned_release(unsigned: Release, keys: dict[str, Path]) -> None:
 
 
 # Every kind of file, altered by one bit, in a signed release; the message names the file that reveals it.
-KINDS = {
+KINDS: dict[str, Callable[[dict[str, str]], str]] = {
     "wheel-x86_64": lambda w: w["x86_64"],
     "wheel-aarch64": lambda w: w["aarch64"],
     "sbom": lambda w: layout.sbom_name(w["x86_64"]),

@@ -38,7 +38,7 @@ def profile(**over: Any) -> Profile:
     return parse_profile("rules", table)
 
 
-def scrape(drafts: float, tokens: float, accepted: float, per: dict[int, float], **more: float) -> Any:
+def scrape(drafts: float, tokens: float, accepted: float, per: dict[int, float], **more: Any) -> Any:
     return metrics.SpecCounters(
         drafts=drafts, draft_tokens=tokens, accepted=accepted, per_position=per, present=True, **more
     )
@@ -141,7 +141,7 @@ def test_per_position_family_is_required_for_dflash_only() -> None:
     assert not rules.per_position_required(None)
 
 
-OK = {"drafts": 10, "draft_tokens": 30, "accepted": 12, "per_position": {0: 6, 1: 4, 2: 2}}
+OK: dict[str, Any] = {"drafts": 10, "draft_tokens": 30, "accepted": 12, "per_position": {0: 6, 1: 4, 2: 2}}
 
 
 @pytest.mark.parametrize(
@@ -444,7 +444,8 @@ def test_k_of_one_is_a_profile_and_zero_none() -> None:
     }
     got = rules.measured_counts(data, 1, "dflash")
     assert isinstance(got, rules.Counts) and got.values["num_accepted_tokens"] == 6
-    for k in (0, -1, True, 1.0):
+    bad_k: tuple[Any, ...] = (0, -1, True, 1.0)
+    for k in bad_k:
         assert rules.measured_counts(data, k, "dflash") == "its profile states no num_speculative_tokens >= 1", k
     assert "exceed 10 drafts x k = 1" in str(rules.measured_counts(edited(data, _more_tokens), 1, "dflash"))
 

@@ -13,9 +13,8 @@ from conftest import PatchFactory, clone_tree, replace_line
 from vllm_dflash.errors import HashMismatchError, PinMismatchError, UnsupportedModeError
 from vllm_dflash.fetch import fetch
 from vllm_dflash.manifest import Manifest
-from vllm_dflash.pipeline.model import PatchedTree, WheelResult
+from vllm_dflash.pipeline.model import PatchedTree, SourceTree, WheelResult
 from vllm_dflash.pipeline.patches import apply_series
-from vllm_dflash.pipeline.source import SourceTree
 from vllm_dflash.pipeline.wheel import build_fast_wheel
 from vllm_dflash.pipeline.wheelfile import verify_wheel
 from vllm_dflash.provenance import PATH as PROVENANCE_PATH

@@ -74,12 +74,12 @@ def wheel(
     return path
 
 
-def patch_member(path: Path, name: str, edit: Callable[[bytearray, int, int], None]) -> None:
+def patch_member(path: Path, name: str, edit: Callable[[bytearray, int, int], object]) -> None:
     """Edit `name`'s local header (at its offset) and central directory entry in place: edit(buf, local, central)."""
     raw = bytearray(path.read_bytes())
     with zipfile.ZipFile(path) as zf:
         local = zf.getinfo(name).header_offset
-        central = zf.start_dir  # type: ignore[attr-defined]
+        central = zf.start_dir
     while raw[central + 46 : central + 46 + len(name)] != name.encode():
         central = raw.index(b"PK\x01\x02", central + 4)
     edit(raw, local, central)

@@ -58,9 +58,13 @@ class ArtifactId:
 class PublishResult:
     artifact: ArtifactId
     destination: str
-    profile: str
+    gated: Gated
     report: Path
     pushed_digest: str | None = None  # an image: the digest the registry stores it under
+
+    @property
+    def profile(self) -> str:
+        return self.gated.report.profile_name
 
 
 def identify(artifact: str, container_tool: str = "docker") -> ArtifactId:
@@ -84,9 +88,18 @@ def identify(artifact: str, container_tool: str = "docker") -> ArtifactId:
     return ArtifactId(kind="image", name=artifact, sha256=digest)
 
 
+@dataclass(frozen=True)
+class Gated:
+    """A report that lets an artifact in, with what its counters give under the manifest's profile (what the index
+    records: the recomputed AL, never the report's own figure)."""
+
+    report: ValidationReport
+    judged: verdict.Rejudged
+
+
 def check_gate(
     report_path: Path | None, artifact: ArtifactId, manifest: Manifest, accept_declared: bool = False
-) -> ValidationReport:
+) -> Gated:
     """The report, when it allows publishing `artifact`; PublishRefusedError (one line each) otherwise."""
     if report_path is None:
         raise PublishRefusedError(f"no validation report given for {artifact.name}", _REFUSE_HINT)
@@ -111,7 +124,7 @@ def check_gate(
         )
     _check_prompts(rep, current, report_path)
     _check_binding(rep, report_path, accept_declared)
-    return rep
+    return Gated(rep, judged)
 
 
 def _check_prompts(rep: ValidationReport, profile: Profile, report_path: Path) -> None:
@@ -168,13 +181,14 @@ def _check_binding(rep: ValidationReport, report_path: Path, accept_declared: bo
     )
 
 
-def publish_record(rep: ValidationReport, accept_declared: bool) -> dict[str, object]:
+def publish_record(gated: Gated, accept_declared: bool) -> dict[str, object]:
     """What the index keeps beside a published wheel: which report let it in, and on what binding."""
+    rep = gated.report
     return {
         "report": rep.path.name,
         "report_sha256": hashlib.sha256(rep.raw).hexdigest() if rep.raw else None,
         "profile": rep.profile_name,
-        "acceptance_length": rep.acceptance_length,
+        "acceptance_length": gated.judged.acceptance_length,
         "binding": rep.binding,
         "declared_binding_accepted": accept_declared and rep.binding == "declared",
         "prompts": {k: rep.prompts.get(k) for k in ("set", "count", "sha256")},
@@ -303,7 +317,7 @@ def publish(
     """Gate, then publish. Nothing is written anywhere unless the gate passes."""
     local = None if not artifact.endswith(".whl") else _local_dir(to)  # the destination first: before any work
     ident = identify(artifact, container_tool)
-    rep = check_gate(report, ident, manifest, accept_declared)
+    gated = check_gate(report, ident, manifest, accept_declared)
     assert report is not None
     pushed: str | None = None
     if ident.path is not None:  # what the wheel is comes from its bytes, and it must be a build of ours
@@ -311,7 +325,7 @@ def publish(
     if ident.kind == "wheel":
         assert ident.path is not None
         if local is not None:
-            record = {**publish_record(rep, accept_declared), "sha256": ident.sha256}
+            record = {**publish_record(gated, accept_declared), "sha256": ident.sha256}
             index = publish_wheel_local(ident.path, local.resolve(), ident.sha256, record)
             destination = index.as_uri()
         else:
@@ -320,9 +334,7 @@ def publish(
     else:
         pushed = publish_image(ident.sha256, to, container_tool)
         destination = to
-    return PublishResult(
-        artifact=ident, destination=destination, profile=rep.profile_name, report=report, pushed_digest=pushed
-    )
+    return PublishResult(artifact=ident, destination=destination, gated=gated, report=report, pushed_digest=pushed)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -334,13 +346,20 @@ class PlatformDecision:
     platform: str
     wheel: Path | None
     sha256: str | None
-    report: Path | None  # the report that passed the gate
-    profile: str | None
+    gated: Gated | None  # the report that passed the gate, as it was read and judged
     refusal: str | None  # why not, when refused
 
     @property
     def publishable(self) -> bool:
         return self.refusal is None
+
+    @property
+    def report(self) -> Path | None:
+        return self.gated.report.path if self.gated is not None else None
+
+    @property
+    def profile(self) -> str | None:
+        return self.gated.report.profile_name if self.gated is not None else None
 
 
 @dataclass(frozen=True)
@@ -384,7 +403,7 @@ def publish_plan(
     for plat in wanted:
         w = by_platform.get(plat)
         if w is None:
-            decisions.append(PlatformDecision(plat, None, None, None, None, "the release has no wheel for it"))
+            decisions.append(PlatformDecision(plat, None, None, None, "the release has no wheel for it"))
             continue
         path = release_dir / w.filename
         ident = ArtifactId(kind="wheel", name=w.filename, sha256=w.sha256, path=path)
@@ -396,11 +415,11 @@ def publish_plan(
             except DflashError as exc:
                 reasons.append(f"{rep.name}: {exc.message}")
                 continue
-            chosen = PlatformDecision(plat, path, w.sha256, release_dir / rep.name, passed.profile_name, None)
+            chosen = PlatformDecision(plat, path, w.sha256, passed, None)
             break
         if chosen is None:
             why = "; ".join(reasons) if reasons else f"no validation report for {w.filename} is attached"
-            chosen = PlatformDecision(plat, path, w.sha256, None, None, why)
+            chosen = PlatformDecision(plat, path, w.sha256, None, why)
         decisions.append(chosen)
     files = tuple(release_dir / n for n in sorted(set(result.files) | {layout.SUMS}))
     return PublishPlan(release=result, decisions=tuple(decisions), files=files)
@@ -462,9 +481,9 @@ def publish_release(
         planned = []
         if idx is not None:
             for d in chosen:
-                assert d.wheel is not None and d.sha256 is not None and d.report is not None
-                rep = reports.load(d.report, reports.key_from_env(), PublishRefusedError, _REFUSE_HINT)
-                record = {**publish_record(rep, accept_declared), "sha256": d.sha256}
+                assert d.wheel is not None and d.sha256 is not None and d.gated is not None
+                # The report as the gate read and judged it, not read again: what was judged is what is recorded.
+                record = {**publish_record(d.gated, accept_declared), "sha256": d.sha256}
                 planned.append(idx.plan(d.wheel, d.sha256, record))
         else:
             for d in chosen:

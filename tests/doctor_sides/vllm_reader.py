@@ -84,7 +84,7 @@ def loaded_attrs(hf: Any) -> dict[str, Any]:
 
 def _functions(path: Path, names: tuple[str, ...]) -> list[ast.stmt]:
     tree = ast.parse(path.read_text())
-    found = {}
+    found: dict[str, ast.stmt] = {}
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name in names:
             node.decorator_list = []  # e.g. @register_speculator: registered by hand below
@@ -167,7 +167,7 @@ def installed(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rec["model_class"] = next((list(_VLLM_MODELS[a]) for a in archs if a in _VLLM_MODELS), None)
         runner = SimpleNamespace(speculative_config=SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf)))
         try:
-            taps = GPUModelRunner._get_eagle3_aux_layers_from_config(runner)  # type: ignore[arg-type]
+            taps = GPUModelRunner._get_eagle3_aux_layers_from_config(runner)
             rec["taps"] = None if taps is None else [int(t) for t in taps]
         except Exception as exc:
             rec["taps_error"] = _err(exc)

@@ -11,7 +11,7 @@ from vllm_dflash.errors import PublishRefusedError
 from vllm_dflash.manifest import MACHINES
 from vllm_dflash.oci import check_image_ref
 from vllm_dflash.paths import local_destination
-from vllm_dflash.publish import publish, publish_release
+from vllm_dflash.publish import Gated, publish, publish_release
 
 
 def register(sub: Any) -> None:
@@ -61,13 +61,13 @@ def run(args: argparse.Namespace) -> int:
             m, Path(args.artifact), args.to, args.platform, args.attach_to, args.accept_declared_binding
         )
         for d in done.plan.decisions:
-            print(f"published {d.platform} {d.wheel.name if d.wheel else '-'} (report {d.report}, profile {d.profile})")
+            print(f"published {d.platform} {d.wheel.name if d.wheel else '-'} ({_judged(d.gated)})")
         print(f"index: {done.index}\nrelease files: {done.files_dir}", flush=True)
         return 0
     result = publish(m, args.artifact, args.to, args.report, args.container_tool, args.accept_declared_binding)
     print(
         f"published {result.artifact.name} ({result.artifact.sha256}) to {result.destination} "
-        f"(report {result.report}, profile {result.profile})",
+        f"({_judged(result.gated)})",
         flush=True,
     )
     if result.pushed_digest:
@@ -76,3 +76,12 @@ def run(args: argparse.Namespace) -> int:
     if result.artifact.kind == "wheel" and result.destination.startswith("file:"):
         print(f"install with: pip install --index-url {result.destination} <name>", flush=True)
     return 0
+
+
+def _judged(gated: Gated | None) -> str:
+    """Which report let it in, and the AL its counters give (recomputed: the report's own figure is never printed)."""
+    if gated is None:
+        return "no report"
+    al = gated.judged.acceptance_length
+    said = f"AL {al:.2f} from its counters" if al is not None else "no AL"
+    return f"report {gated.report.path}, profile {gated.report.profile_name}, {said}"

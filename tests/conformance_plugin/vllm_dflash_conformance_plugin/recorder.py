@@ -147,7 +147,7 @@ def _layout(runner: Any) -> dict[str, Any]:
         windows.append(list(window) if isinstance(window, (tuple, list)) else window)
     target = getattr(runner, "model", None)
     aux = getattr(getattr(target, "model", target), "aux_hidden_state_layers", None)
-    if aux is None and hasattr(target, "get_language_model"):
+    if aux is None and target is not None and hasattr(target, "get_language_model"):
         aux = getattr(getattr(target.get_language_model(), "model", None), "aux_hidden_state_layers", None)
     return {"windows": windows, "aux_layers": None if aux is None else [int(a) for a in aux]}
 
@@ -264,9 +264,9 @@ def _install_kv_recorder() -> None:
         orig_init(self, *args, **kwargs)
         _append_kv({"layout": _kv_layout(self.vllm_config, self.kv_cache_config)})
 
-    mgr_cls.allocate_slots = allocate_slots  # type: ignore[method-assign]
-    mgr_cls.free = free  # type: ignore[method-assign]
-    scheduler.Scheduler.__init__ = init  # type: ignore[method-assign]
+    mgr_cls.allocate_slots = allocate_slots
+    mgr_cls.free = free
+    scheduler.Scheduler.__init__ = init
     mgr_cls._vllm_dflash_recorder = True
 
 
