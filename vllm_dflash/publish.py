@@ -59,8 +59,11 @@ class PublishResult:
     artifact: ArtifactId
     destination: str
     gated: Gated
-    report: Path
     pushed_digest: str | None = None  # an image: the digest the registry stores it under
+
+    @property
+    def report(self) -> Path:
+        return self.gated.report.path
 
     @property
     def profile(self) -> str:
@@ -318,7 +321,6 @@ def publish(
     local = None if not artifact.endswith(".whl") else _local_dir(to)  # the destination first: before any work
     ident = identify(artifact, container_tool)
     gated = check_gate(report, ident, manifest, accept_declared)
-    assert report is not None
     pushed: str | None = None
     if ident.path is not None:  # what the wheel is comes from its bytes, and it must be a build of ours
         inspect_wheel(ident.path, PublishRefusedError, require_provenance=True)
@@ -334,7 +336,7 @@ def publish(
     else:
         pushed = publish_image(ident.sha256, to, container_tool)
         destination = to
-    return PublishResult(artifact=ident, destination=destination, gated=gated, report=report, pushed_digest=pushed)
+    return PublishResult(artifact=ident, destination=destination, gated=gated, pushed_digest=pushed)
 
 
 # ---------------------------------------------------------------------------------------------------------------
