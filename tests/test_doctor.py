@@ -57,6 +57,44 @@ def q36() -> dict[str, Any]:
     return copied
 
 
+def published_q36() -> dict[str, Any]:
+    """z-lab/Qwen3.6-27B-DFlash's config.json as published (the shape every public copy quotes, with the keys a
+    transformers-saved Qwen3 drafter config carries, `auto_map` among them)."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "block_size": 16,
+        "bos_token_id": 248044,
+        "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
+        "dtype": "bfloat16",
+        "eos_token_id": 248046,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "initializer_range": 0.02,
+        "intermediate_size": 17408,
+        "layer_types": [S, S, S, S, F],
+        "max_position_embeddings": 262144,
+        "max_window_layers": 5,
+        "model_type": "qwen3",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 5,
+        "num_key_value_heads": 8,
+        "num_target_layers": 64,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 10000000,
+        "sliding_window": 2048,
+        "tie_word_embeddings": False,
+        "transformers_version": "4.57.1",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 248320,
+    }
+
+
 def mwl() -> dict[str, Any]:
     """A drafter whose sliding layers come from max_window_layers (no layer_types: transformers fills them)."""
     return {
@@ -292,6 +330,18 @@ def test_fields_no_build_reads_get_their_own_exit(code: ours.OurCode) -> None:
     assert "has_embed_tokens, dflash_config.mystery_knob" in d.verdict and "stock mis-serves it" in d.verdict
     assert diag(q36(), code).exit_code == 20  # the control
     assert set(fields.READ_TOP).isdisjoint(fields.HARMLESS_TOP) and set(fields.FEATURES_TOP).isdisjoint(fields.READ_TOP)
+
+
+def test_published_config_with_auto_map_is_served_by_this_build(code: ours.OurCode) -> None:
+    """Every published z-lab config.json carries auto_map (transformers' remote-code pointer, which AutoConfig reads
+    and vLLM's loading leaves unused): the verdict is the drafter's, not "read by no build"."""
+    d = diag(published_q36(), code)
+    assert d.exit_code == 20 and d.verdict_class == D.STOCK_MISSERVES, d.verdict
+    assert not d.unknown_fields and "auto_map" not in D.render_text(d)
+    # transformers' other base-config keys are the loader's too; a key no table names still gets exit 23.
+    assert diag({**published_q36(), "id2label": {"0": "a"}, "problem_type": None}, code).exit_code == 20
+    odd = diag({**published_q36(), "dflash_remote_knob": 1}, code)
+    assert odd.exit_code == 23 and "dflash_remote_knob" in odd.verdict
 
 
 def test_extra_weights_and_sink_weights_are_named(tmp_path: Path, code: ours.OurCode) -> None:

@@ -165,6 +165,35 @@ HARMLESS_TOP = frozenset(
         "has_own_lm_head",  # 0.33.0: whether the drafter's lm_head takes its quantization config
     }
 )
+# Read by transformers' own config loading, by no model: the keys of its base config (PretrainedConfig's fields, as
+# `PretrainedConfig().to_dict()` lists them) and the remote-code pointer AutoConfig reads. `auto_map` names custom
+# classes that AutoConfig imports only with trust_remote_code and an "AutoConfig" entry, and only for a model_type
+# transformers does not know; vLLM's get_config passes trust_remote_code off by default, and model_type qwen3 loads
+# transformers' own Qwen3Config. tests/test_doctor_differential.py holds this set against the real transformers of
+# both side environments (every base key is in a table; each key here, added to a real config, changes nothing the
+# real loader and model read).
+SRC_LOADER = (
+    "transformers configuration_utils.py PreTrainedConfig (base fields) + models/auto/configuration_auto.py "
+    "AutoConfig.from_pretrained (auto_map: custom code only with trust_remote_code)"
+)
+LOADER_TOP = frozenset(
+    {
+        "auto_map",
+        "_name_or_path",
+        "architectures",
+        "chunk_size_feed_forward",
+        "dtype",
+        "id2label",
+        "is_encoder_decoder",
+        "label2id",
+        "model_type",
+        "output_attentions",
+        "output_hidden_states",
+        "problem_type",
+        "return_dict",
+        "transformers_version",
+    }
+)
 HARMLESS_DFLASH = frozenset({"block_size"})  # advice for --num-speculative-tokens (k = block_size - 1)
 
 
@@ -201,7 +230,7 @@ def classify(raw: Mapping[str, Any], files: tuple[str, ...] = (), tensors: tuple
         for key in cfg:
             if key in FEATURES_TOP:
                 _feature(out, key, cfg[key], FEATURES_TOP[key])
-            elif key not in READ_TOP and key not in HARMLESS_TOP:
+            elif key not in READ_TOP and key not in HARMLESS_TOP and key not in LOADER_TOP:
                 out.unknown.append(f"{key} = {_short(cfg[key])}")
         dflash = cfg.get("dflash_config")
         if not isinstance(dflash, Mapping):
