@@ -623,6 +623,119 @@ def test_oracle_jobs_split_by_case_and_balanced() -> None:
     assert compare.split_by_case([], 2) == []
 
 
+def test_every_case_has_an_engine_shape_and_only_named_exceptions_leave_the_build_process() -> None:
+    """A case shares its build's vLLM process unless its shape names an exception (tensor parallel); the full-kv
+    control carries its variable in its engine shape, the other builds none."""
+    for spec in C.CASES:
+        for build in spec.builds:
+            shape = C.engine_shape(spec, build)
+            assert shape.process == C.PROCESS_BUILD or shape.process in C.OWN_PROCESS, (spec.name, shape)
+            assert (shape.process == C.PROCESS_TENSOR_PARALLEL) == (spec.tensor_parallel_size > 1), spec.name
+            assert shape.tensor_parallel_size == spec.tensor_parallel_size
+            assert dict(shape.env) == (C.FULL_KV_ENV if build == C.FULL_KV else {}), (spec.name, build)
+    assert set(C.OWN_PROCESS) == {C.PROCESS_TENSOR_PARALLEL} and all(C.OWN_PROCESS.values())
+
+
+def _runner(tag: str) -> compare.Runner:
+    return compare.Runner(Path(f"/envs/{tag}/bin/python"), {"PYTHONPATH": f"/p/{tag}"})
+
+
+def test_side_groups_one_process_per_runner_and_process_shape() -> None:
+    """patched and its full-kv control (one runner) share one process, stock (another wheel) has its own, and each
+    build's tensor-parallel cases go to a process of their own; jobs keep their order and full-kv jobs their
+    variable. An environment that differs in one variable is another process; an unnamed process shape is refused."""
+    patched, stock = _runner("patched"), _runner("stock")
+    by = {s.name: s for s in C.CASES}
+
+    def item(runner: compare.Runner, build: str, case: str) -> tuple[compare.Runner, C.EngineShape, compare.SideJob]:
+        job = compare.SideJob(build, case, Path(f"/c/{case}"), Path(f"/w/{build}/{case}.jsonl"))
+        return runner, C.engine_shape(by[case], build), job
+
+    plan = [
+        item(patched, "patched", "full"),
+        item(patched, "patched", "tp2-mixed"),
+        item(patched, "patched", "evict-long"),
+        item(stock, "stock", "full"),
+        item(stock, "stock", "tp2-mixed"),
+        item(patched, C.FULL_KV, "evict-long"),
+    ]
+    groups = compare.side_groups(plan)
+    got = [(g.label, [(j.build, j.case, dict(j.env)) for j in g.jobs]) for g in groups]
+    full_kv = (C.FULL_KV, "evict-long", C.FULL_KV_ENV)
+    assert got == [
+        ("patched+full-kv (build)", [("patched", "full", {}), ("patched", "evict-long", {}), full_kv]),
+        ("patched (tensor-parallel)", [("patched", "tp2-mixed", {})]),
+        ("stock (build)", [("stock", "full", {})]),
+        ("stock (tensor-parallel)", [("stock", "tp2-mixed", {})]),
+    ], got
+    assert all(g.runner is patched for g in groups[:2]) and all(g.runner is stock for g in groups[2:])
+    # The same python with one more variable is not the same process.
+    other = compare.Runner(patched.python, {**patched.environ, "X": "1"})
+    assert len(compare.side_groups([item(patched, "patched", "full"), item(other, "patched", "mixed")])) == 2
+    assert len(compare.side_groups([item(patched, "patched", "full"), item(patched, "patched", "mixed")])) == 1
+    bad = (patched, C.EngineShape(process="mine"), plan[0][2])
+    with pytest.raises(ValueError, match="not a named exception"):
+        compare.side_groups([bad])
+
+
+def test_case_environ_sets_a_cases_variables_for_that_case_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The full-kv variable is set while its case runs and gone afterwards (also after an error); a variable that
+    was set before gets its old value back."""
+    import os
+
+    from vllm_dflash.conformance.vllm_side import case_environ
+
+    monkeypatch.delenv("VLLM_DFLASH_FULL_DRAFTER_KV", raising=False)
+    monkeypatch.setenv("VLLM_DFLASH_TEST_KEEP", "old")
+    with case_environ({**C.FULL_KV_ENV, "VLLM_DFLASH_TEST_KEEP": "new"}):
+        assert os.environ["VLLM_DFLASH_FULL_DRAFTER_KV"] == "1" and os.environ["VLLM_DFLASH_TEST_KEEP"] == "new"
+    assert "VLLM_DFLASH_FULL_DRAFTER_KV" not in os.environ and os.environ["VLLM_DFLASH_TEST_KEEP"] == "old"
+    with pytest.raises(RuntimeError), case_environ(C.FULL_KV_ENV):
+        raise RuntimeError("a case that fails")
+    assert "VLLM_DFLASH_FULL_DRAFTER_KV" not in os.environ
+    with case_environ({}):
+        assert "VLLM_DFLASH_FULL_DRAFTER_KV" not in os.environ
+
+
+FAKE_SIDE = r"""
+import json, os, sys
+from pathlib import Path
+
+job = json.loads(sys.argv[-1])
+for entry in job["jobs"]:
+    case_dir, trace = Path(entry[0]), Path(entry[1])
+    env = entry[2] if len(entry) > 2 else {}
+    if case_dir.name == "crash" and not os.environ.get("SEEN_CRASH_" + trace.parent.name):
+        sys.exit(3)
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    trace.write_text(json.dumps({"summary": {"env": env, "argv": sys.argv[1:3]}}) + "\n")
+"""
+
+
+def test_run_vllm_side_passes_each_jobs_variables_and_carries_on_after_a_crash(tmp_path: Path) -> None:
+    """One process gets every job, each with its own variables (the third element of a job); a job the process
+    crashed on is an error of that (build, case), the jobs after it run in a new process."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_SIDE}")
+    fake.chmod(0o755)
+    runner = compare.Runner(fake, {"PATH": "/usr/bin:/bin"})
+    jobs = [
+        compare.SideJob("patched", "a", tmp_path / "a", tmp_path / "patched" / "a.jsonl"),
+        compare.SideJob("patched", "crash", tmp_path / "crash", tmp_path / "patched" / "crash.jsonl"),
+        compare.SideJob(C.FULL_KV, "a", tmp_path / "a", tmp_path / C.FULL_KV / "a.jsonl", tuple(C.FULL_KV_ENV.items())),
+    ]
+    errors = compare.run_vllm_side(runner, jobs, "cpu")
+    assert list(errors) == [("patched", "crash")] and "exited 3" in errors[("patched", "crash")], errors
+    assert compare._summary(jobs[0].trace) == {"env": {}, "argv": ["-m", "vllm_dflash.conformance.vllm_side"]}
+    assert compare._summary(jobs[2].trace) == {
+        "env": C.FULL_KV_ENV,
+        "argv": ["-m", "vllm_dflash.conformance.vllm_side"],
+    }
+    # The control: nothing crashes, nothing is an error.
+    ok = compare.run_vllm_side(compare.Runner(fake, {**runner.environ, "SEEN_CRASH_patched": "1"}), jobs, "cpu")
+    assert ok == {} and jobs[1].trace.is_file()
+
+
 def test_proposal_kinds() -> None:
     from vllm_dflash.conformance.vllm_side import Request, proposal_kind
 

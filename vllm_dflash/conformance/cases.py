@@ -643,6 +643,42 @@ CASES: tuple[CaseSpec, ...] = (
 CASE_NAMES: tuple[str, ...] = tuple(c.name for c in CASES)
 
 
+# ---- engine shapes: what a case needs of vLLM, so start-up is paid once per process ----
+# compare.py runs every case of a build in ONE vLLM process (vllm_side.py), one engine per case one after the other
+# (prefix cache, metrics, record files and environment are the case's own: vllm_side), except where a case needs a
+# process of another kind. Each exception is named here (and in docs/conformance.md); every other case shares.
+PROCESS_BUILD = "build"  # the build's one process: single-rank engines in process, one OpenMP thread
+PROCESS_TENSOR_PARALLEL = "tensor-parallel"
+OWN_PROCESS: dict[str, str] = {
+    PROCESS_TENSOR_PARALLEL: (
+        "tensor_parallel_size > 1: vLLM's mp executor starts a worker process per rank, OpenMP threads bound one core "
+        "per rank, so a build's tensor-parallel cases run in a process of their own, one such group at a time after "
+        "the single-rank ones (a core per rank; beside a single-rank process they would oversubscribe the cores)"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What one case needs of vLLM on one build. `process`: which vLLM process of the build can serve it
+    (PROCESS_BUILD, or a key of OWN_PROCESS: the named reason it needs another); `env`: variables its engine starts
+    with, set for that case only inside the shared process (the full-kv control: VLLM_DFLASH_FULL_DRAFTER_KV, read
+    through vllm.envs when the drafter is built, so it needs no process of its own). Within a process each case
+    starts its own engine: every table case has models of its own (its seed and shape), so no two could be requests
+    to one engine; a family that shares models would add them to this shape."""
+
+    process: str = PROCESS_BUILD
+    tensor_parallel_size: int = 1
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def engine_shape(spec: CaseSpec, build: str) -> EngineShape:
+    """The engine `spec` needs on `build` (FULL_KV: the patched wheel with FULL_KV_ENV)."""
+    env = tuple(sorted(FULL_KV_ENV.items())) if build == FULL_KV else ()
+    tp = spec.tensor_parallel_size
+    return EngineShape(PROCESS_TENSOR_PARALLEL if tp > 1 else PROCESS_BUILD, tp, env)
+
+
 def stock_expectation(spec: CaseSpec, fixed: frozenset[str]) -> Expect:
     """What the stock build of a pin must do on `spec`, given the features the pin's DFlash queue fixes: fail when
     the case exercises one of them (stock gets it wrong, or the queue would not need the fix), pass otherwise (stock

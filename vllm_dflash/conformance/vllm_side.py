@@ -6,11 +6,12 @@ with our test plugin (tests/conformance_plugin) importable. Standard library, to
 import without vllm_dflash's own dependencies.
 
 Per case it builds `LLM(target, speculative_config={"method": "dflash", ...})` (greedy, eager; fp32 unless the case
-names a dtype; on CPU the worker in this process (`uni`, see `_executor`) or vLLM's engine and worker processes (`mp`,
-always for tensor parallel)), with the case's serving settings (max_num_seqs, token budget, prefix caching, KV block
-size, tensor_parallel_size). It generates each prompt on its own, or all of them in one call (`batched`), `rounds`
-times. The recorder writes one line per request block of every proposal step; `assign_blocks` maps each block to
-its request by prompt and checks it against the block's positions and bonus token, refusing an ambiguous mapping.
+names a dtype; on CPU the worker in this process (`uni`, see `_executor`) or vLLM's engine and worker processes (`mp`;
+always for tensor parallel, there with the engine core in this process)), with the case's serving settings
+(max_num_seqs, token budget, prefix caching, KV block size, tensor_parallel_size). It generates each prompt on its own,
+or all of them in one call (`batched`), `rounds` times. The recorder writes one line per request block of every proposal
+step; `assign_blocks` maps each block to its request by prompt and checks it against the block's positions and bonus
+token, refusing an ambiguous mapping.
 One JSON line per proposal:
     {"request", "prompt_index", "step", "kind" (verified | prefill | cut-off | beyond-output: drafted from a bonus
      token max_tokens cut off, no logits to recompute), "token_ids" (the request's sequence
@@ -325,7 +326,11 @@ def _executor_kwargs(case: dict[str, Any], device: str, executor: str) -> dict[s
     if tp == 1 and executor in ("uni", "uni-1t"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return {"distributed_executor_backend": _executor(device)}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    # Tensor parallel: vLLM's engine core in this process (its scheduler, and so the recorder's KV-cache records,
+    # here), a worker process per rank. vLLM's CPU platform starts those by spawn, each importing vLLM anew; an engine
+    # core process of its own would be one more such start per case. `mp` at one rank keeps its own engine process
+    # (what benchmarks/bench_conformance.py --executors measures).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if tp > 1 else "1"
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < tp:
         raise RuntimeError(f"tensor_parallel_size {tp} needs {tp} CPUs, this process may use {len(cpus)}")
@@ -491,7 +496,8 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
         "kv_layout": layouts[-1] if layouts else None,
         "kv_blocks": {str(i): rows for i, rows in sorted(kv_blocks.items())},
         "kv_reused": max((int(r["alloc"]["reused"]) for r in kv_all if "alloc" in r), default=0),
-        "executor": "mp" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1" else executor,
+        "executor": "mp" if int(case.get("tensor_parallel_size", 1)) > 1 else executor,
+        "engine_core": "process" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1" else "in-process",
         "tensor_parallel_size": int(case.get("tensor_parallel_size", 1)),
         "dtype": llm_kwargs["dtype"],
         "vllm_version": __import__("vllm").__version__,
@@ -512,9 +518,28 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
     return summary
 
 
+@contextlib.contextmanager
+def case_environ(env: dict[str, str]) -> Iterator[None]:
+    """The variables one case's engine starts with (its engine shape's, e.g. the full-kv control's
+    VLLM_DFLASH_FULL_DRAFTER_KV), set for that case only: afterwards every variable is as it was, so the next case
+    in this process starts without them (vLLM's cached copy of its variables is dropped before every engine, see
+    `_executor_kwargs`)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main(argv: list[str] | None = None) -> int:
-    """One JSON argument: {"device": "cpu" | "cuda", "jobs": [[case directory, trace path], ...],
-    "executor": "uni" | "mp" (CPU, single-rank cases; tensor-parallel cases always use mp)}."""
+    """One JSON argument: {"device": "cpu" | "cuda", "jobs": [[case directory, trace path(, {VAR: value})], ...],
+    "executor": "uni" | "mp" (CPU, single-rank cases; tensor-parallel cases always use mp)}. A job's third element:
+    the variables its engine starts with (set for that case only, see `case_environ`)."""
     job = json.loads((argv if argv is not None else sys.argv[1:])[0])
     device = str(job.get("device", "cpu"))
     executor = str(job.get("executor", DEFAULT_EXECUTOR))
@@ -524,7 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         # One OpenMP thread in this process, set before torch starts its pool: the in-process worker cannot bind
         # threads, and two unbound threads spin-waiting on a loaded 2-core machine cost far more than they give.
         os.environ["OMP_NUM_THREADS"] = "1"
-    for case_dir, out in ((Path(c), Path(o)) for c, o in job["jobs"]):
+    for entry in job["jobs"]:
+        case_dir, out = Path(entry[0]), Path(entry[1])
+        env = {str(k): str(v) for k, v in (entry[2] if len(entry) > 2 else {}).items()}
         out.parent.mkdir(parents=True, exist_ok=True)
         record_file = out.with_name(out.name + ".records")
         record_file.unlink(missing_ok=True)
@@ -532,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[RECORD_FILE_VAR] = str(record_file)
         _prepare_environ(device)
         try:
-            summary = run_case(case_dir, out, device, executor)
+            with case_environ(env):
+                summary = run_case(case_dir, out, device, executor)
         finally:
             record_file.unlink(missing_ok=True)
             record_file.with_name(record_file.name + KV_SUFFIX).unlink(missing_ok=True)
