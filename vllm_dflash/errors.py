@@ -132,3 +132,10 @@ class SigningKeyError(DflashError):
     or is not Ed25519. Its own class: a bad key is neither a failed gate (1) nor a release that does not verify."""
 
     return_code = 25  # 20-24 are doctor verdicts
+
+
+class CacheError(DflashError):
+    """`cache prune`: the cache directory is not one the tool tagged (VLLM_DFLASH_CACHE points elsewhere), so
+    nothing in it is judged ours."""
+
+    return_code = 26

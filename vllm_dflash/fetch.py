@@ -18,11 +18,32 @@ DEFAULT_INDEX = "https://pypi.org/simple"
 _CHUNK = 1 << 20
 
 
-def cache_dir() -> Path:
-    """Where downloads and work trees are cached: $VLLM_DFLASH_CACHE or ~/.cache/vllm-dflash."""
+# The Cache Directory Tagging Specification (https://bford.info/cachedir/): backup tools skip a tagged directory, and
+# `vllm-dflash cache prune` prunes only a directory this tool tagged (a VLLM_DFLASH_CACHE pointed at $HOME by mistake
+# is refused, never pruned).
+CACHEDIR_TAG = "CACHEDIR.TAG"
+CACHEDIR_SIGNATURE = "Signature: 8a477f597d28d172789f06886806bc55"
+_TAG_TEXT = f"{CACHEDIR_SIGNATURE}\n# This file is a cache directory tag created by vllm-dflash (VLLM_DFLASH_CACHE).\n"
+
+
+def cache_root() -> Path:
+    """$VLLM_DFLASH_CACHE or ~/.cache/vllm-dflash, neither created nor tagged (what `vllm-dflash cache` inspects)."""
     env = os.environ.get("VLLM_DFLASH_CACHE")
-    path = Path(env) if env else Path.home() / ".cache" / "vllm-dflash"
-    return ensure_dir(path, "cache directory ($VLLM_DFLASH_CACHE)")
+    return Path(env) if env else Path.home() / ".cache" / "vllm-dflash"
+
+
+def cache_dir() -> Path:
+    """Where downloads and work trees are cached: $VLLM_DFLASH_CACHE or ~/.cache/vllm-dflash, created and tagged."""
+    path = ensure_dir(cache_root(), "cache directory ($VLLM_DFLASH_CACHE)")
+    tag = path / CACHEDIR_TAG
+    if not tag.exists():
+        try:
+            os.close(os.open(tmp := temp_sibling(tag), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            tmp.write_text(_TAG_TEXT)
+            os.replace(tmp, tag)
+        except OSError as exc:
+            raise storage_error(exc, tag, "tag the cache directory") from None
+    return path
 
 
 def index_url() -> str:

@@ -8,12 +8,12 @@ import sys
 from collections.abc import Sequence
 
 from vllm_dflash import __version__
-from vllm_dflash.cli import build, conformance, doctor, image, publish, release, upstream, validate
+from vllm_dflash.cli import build, cache, conformance, doctor, image, publish, release, upstream, validate
 from vllm_dflash.cli.common import check_outputs
 from vllm_dflash.errors import DflashError
 
 # Sub-command groups in the order `--help` lists them.
-GROUPS = (build, image, validate, conformance, doctor, release, publish, upstream)
+GROUPS = (build, image, validate, conformance, doctor, release, publish, upstream, cache)
 
 
 def build_parser() -> argparse.ArgumentParser:

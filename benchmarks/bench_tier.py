@@ -1,0 +1,216 @@
+"""Benchmark: where the full tier's time goes, per part, against issue 37's goals.
+
+    python benchmarks/bench_tier.py --ingest RUN.log [--du DU.log]     # a finished run's pytest output
+    python benchmarks/bench_tier.py --ingest report.xml                 # or its --junitxml file
+    python benchmarks/bench_tier.py --run cold|warm [--cache DIR]       # run the full tier here and time it
+
+`--ingest` reads pytest's `--durations=0` lines (`12.34s call     tests/test_x.py::test_y`) or a `--junitxml` file
+and sums each test's setup, call and teardown into the part `part_of` maps it to (one place: PARTS). `--du` reads a
+sampler's lines `EPOCH cache=MB tmp=MB ...` and prints the peaks. `--run cold` runs `scripts/test` with a fresh
+VLLM_DFLASH_CACHE (`--run warm` reuses `--cache`), `--durations=0 --junitxml`, sampling the cache's and the
+temporary directory's size every 30 s, then prints the same table. Running it cold takes the full tier's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+# (part, nodeid prefix): the first prefix that matches a test's nodeid names its part.
+PARTS: tuple[tuple[str, str], ...] = (
+    ("conformance (default pin, both builds)", "tests/test_conformance.py"),
+    ("pins' evidence (every pin's builds)", "tests/test_pins.py"),
+    ("miniatures", "tests/test_mini"),
+    ("images", "tests/test_image.py"),
+    ("doctor's environments", "tests/test_doctor"),
+)
+OTHER = "everything else"
+
+# Issue 37's goals: (what, limit, unit).
+GOALS: tuple[tuple[str, float, str], ...] = (
+    ("full tier from an empty cache on 2 cores", 45 * 60, "s"),
+    ("conformance warm (default pin)", 120, "s"),
+    ("quick tier", 5 * 60, "s"),
+    ("cold cache", 20 * 1024, "MB"),
+    ("peak temporary space", 3 * 1024, "MB"),
+)
+
+_DURATION = re.compile(r"^(?P<s>\d+(?:\.\d+)?)s\s+(?P<when>setup|call|teardown)\s+(?P<node>\S+)\s*$")
+_DU = re.compile(r"^(?P<t>\d+)\s+(?P<fields>(?:\w+=\S*\s*)+)$")
+
+
+_HEADER = re.compile(r"=+ slowest (?:(?P<n>\d+) )?durations =+")
+
+
+def partial_durations(text: str) -> int | None:
+    """N when the log holds only pytest's N slowest durations (`--durations=N`, N > 0): its sums are not totals."""
+    m = _HEADER.search(text)
+    return int(m["n"]) if m and m["n"] else None
+
+
+def part_of(nodeid: str) -> str:
+    return next((part for part, prefix in PARTS if nodeid.startswith(prefix)), OTHER)
+
+
+def durations_from_text(text: str) -> dict[str, float]:
+    """nodeid -> seconds (setup + call + teardown) from pytest's --durations lines."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _DURATION.match(line.strip())
+        if m:
+            out[m["node"]] = out.get(m["node"], 0.0) + float(m["s"])
+    return out
+
+
+def durations_from_junit(path: Path) -> dict[str, float]:
+    """nodeid -> seconds from a --junitxml file (its `time` covers setup, call and teardown)."""
+    out: dict[str, float] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        module = (case.get("classname") or "").split(".")
+        file = "/".join(module[: next((i for i, p in enumerate(module) if p.startswith("test_")), len(module)) + 1])
+        cls = module[len(file.split("/")) :]
+        node = "::".join([f"{file}.py", *cls, case.get("name") or ""])
+        out[node] = out.get(node, 0.0) + float(case.get("time") or 0)
+    return out
+
+
+def by_part(durations: Mapping[str, float]) -> dict[str, tuple[int, float]]:
+    """part -> (tests, seconds), in PARTS order, OTHER last."""
+    table = {part: (0, 0.0) for part, _ in PARTS} | {OTHER: (0, 0.0)}
+    for node, seconds in durations.items():
+        n, s = table[part_of(node)]
+        table[part_of(node)] = (n + 1, s + seconds)
+    return table
+
+
+@dataclass(frozen=True)
+class Peaks:
+    samples: int
+    cache_mb: float | None
+    tmp_mb: float | None
+
+
+def du_peaks(lines: Iterable[str]) -> Peaks:
+    """The peaks of a sampler's `EPOCH cache=MB tmp=MB ...` lines (an empty field is no sample)."""
+    n = 0
+    peak: dict[str, float | None] = {"cache": None, "tmp": None}
+    for line in lines:
+        m = _DU.match(line.strip())
+        if not m:
+            continue
+        n += 1
+        for field in m["fields"].split():
+            key, _, value = field.partition("=")
+            if key in peak and value:
+                old = peak[key]
+                peak[key] = float(value) if old is None else max(old, float(value))
+    return Peaks(n, peak["cache"], peak["tmp"])
+
+
+def render(
+    table: Mapping[str, tuple[int, float]], label: str, peaks: Peaks | None = None, partial: int | None = None
+) -> str:
+    total = sum(s for _, s in table.values())
+    lines = [f"{label}: {sum(n for n, _ in table.values())} tests, {total / 60:.1f} min of tests", ""]
+    if partial:
+        lines[0] += f" (PARTIAL: the log holds only the {partial} slowest durations; rerun with --durations=0)"
+    lines.append("| part | tests | seconds | share |\n| --- | ---: | ---: | ---: |")
+    for part, (n, s) in table.items():
+        lines.append(f"| {part} | {n} | {s:.0f} | {100 * s / total if total else 0:.0f} % |")
+    lines.append(f"| total | {sum(n for n, _ in table.values())} | {total:.0f} | |")
+    lines += ["", "| goal | limit | measured | met |", "| --- | ---: | ---: | --- |"]
+    whole = partial is None
+    measured: dict[str, float | None] = {GOALS[0][0]: total if "cold" in label and whole else None}
+    measured[GOALS[1][0]] = table[PARTS[0][0]][1] if "warm" in label and whole else None
+    if peaks is not None:
+        measured[GOALS[3][0]], measured[GOALS[4][0]] = peaks.cache_mb, peaks.tmp_mb
+    for what, limit, unit in GOALS:
+        got = measured.get(what)
+        shown = "—" if got is None else f"{got:.0f} {unit}"
+        met = "—" if got is None else ("yes" if got <= limit else "NO")
+        lines.append(f"| {what} | {limit:.0f} {unit} | {shown} | {met} |")
+    if peaks is not None:
+        lines.append(f"\n(du: {peaks.samples} samples; the conformance row is the whole file, all its builds)")
+    return "\n".join(lines)
+
+
+def _dir_mb(path: Path) -> float:
+    out = subprocess.run(["du", "-sm", str(path)], capture_output=True, text=True, check=False).stdout.split()
+    return float(out[0]) if out else 0.0
+
+
+def run_tier(mode: str, cache: Path, log: Path) -> tuple[dict[str, float], Peaks]:
+    """scripts/test (the full tier) with --durations=0 and a junit file, sampling the cache and tmp every 30 s."""
+    repo = Path(__file__).resolve().parents[1]
+    if mode == "cold" and cache.exists():
+        shutil.rmtree(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-tier-"))
+    junit = tmp / "junit.xml"
+    env = {**os.environ, "VLLM_DFLASH_CACHE": str(cache), "TMPDIR": str(tmp)}
+    samples: list[str] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(30):
+            samples.append(f"{int(time.time())} cache={_dir_mb(cache):.0f} tmp={_dir_mb(tmp):.0f}")
+
+    threading.Thread(target=sample, daemon=True).start()
+    cmd = [str(repo / "scripts" / "test"), "--", "--durations=0", f"--junitxml={junit}"]
+    print(f"+ VLLM_DFLASH_CACHE={cache} TMPDIR={tmp} {' '.join(cmd)}", flush=True)
+    with log.open("w") as out:
+        subprocess.run(cmd, cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT, check=False)
+    done.set()
+    return durations_from_junit(junit), du_peaks(samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--ingest", type=Path, help="a finished run's pytest output (--durations=0) or --junitxml file")
+    ap.add_argument("--du", type=Path, help="a sampler's log: lines `EPOCH cache=MB tmp=MB ...`")
+    ap.add_argument("--label", default=None, help="the run's label (contains cold or warm to judge those goals)")
+    ap.add_argument("--run", choices=("cold", "warm"), help="run the full tier here (cold: a fresh cache)")
+    ap.add_argument("--cache", type=Path, default=None, help="the cache for --run (default: a new temporary dir)")
+    args = ap.parse_args(argv)
+    if (args.ingest is None) == (args.run is None):
+        print("error: give --ingest FILE or --run cold|warm -- one of the two", file=sys.stderr)
+        return 2
+    peaks: Peaks | None = None
+    partial: int | None = None
+    if args.ingest is not None:
+        if not args.ingest.is_file():
+            print(f"error: {args.ingest} is not a file -- pass a pytest log or junit xml", file=sys.stderr)
+            return 2
+        if args.ingest.suffix == ".xml":
+            durations = durations_from_junit(args.ingest)
+        else:
+            text = args.ingest.read_text(errors="replace")
+            durations, partial = durations_from_text(text), partial_durations(text)
+        if not durations:
+            print(f"error: {args.ingest} holds no --durations=0 lines or test cases -- rerun pytest with them",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        if args.du is not None:
+            peaks = du_peaks(args.du.read_text(errors="replace").splitlines())
+        label = args.label or args.ingest.name
+    else:
+        cache = args.cache or Path(tempfile.mkdtemp(prefix="bench-tier-cache-"))
+        durations, peaks = run_tier(args.run, cache, Path(tempfile.mkdtemp()) / "run.log")
+        label = args.label or f"{args.run} full tier"
+    print(render(by_part(durations), label, peaks, partial))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

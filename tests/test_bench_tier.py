@@ -1,0 +1,85 @@
+"""benchmarks/bench_tier.py's parsing and table on recorded output (quick tier; nothing is run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_tier.py"
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_tier", _PATH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_tier"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+B = _bench()
+
+LOG = """\
+============================= slowest durations ==============================
+600.50s call     tests/test_conformance.py::test_conformance_patched_passes_and_stock_fails
+100.00s setup    tests/test_conformance.py::test_conformance_patched_passes_and_stock_fails
+558.13s call     tests/test_pins.py::test_pin_matrix_is_what_the_runs_compute
+345.75s setup    tests/test_mini_validate.py::test_three_numbers_side_by_side_and_the_gates
+153.79s setup    tests/test_image.py::test_aarch64_image_checks_inside
+40.00s call     tests/test_doctor_differential.py::test_x[a-b]
+2.00s call     tests/test_manifest.py::test_y
+not a duration line 3.0s call
+"""
+DU = "1796333026 cache=27195 tmp=13557 pip=\n1796333089 cache=27000 tmp=14534 pip=\nnoise\n1796333090 cache= tmp=\n"
+
+
+def test_durations_are_summed_per_test_and_mapped_to_parts() -> None:
+    d = B.durations_from_text(LOG)
+    assert d["tests/test_conformance.py::test_conformance_patched_passes_and_stock_fails"] == pytest.approx(700.5)
+    assert len(d) == 6  # the malformed line is not a test
+    table = B.by_part(d)
+    assert table["conformance (default pin, both builds)"] == (1, pytest.approx(700.5))
+    assert table["doctor's environments"] == (1, 40.0)
+    assert table[B.OTHER] == (1, 2.0)
+    assert B.part_of("tests/test_minimal.py::t") == "miniatures"  # prefix rule, in one place
+    assert B.part_of("tests/test_cache.py::t") == B.OTHER
+
+
+def test_du_peaks_skip_empty_fields() -> None:
+    p = B.du_peaks(DU.splitlines())
+    assert (p.samples, p.cache_mb, p.tmp_mb) == (3, 27195.0, 14534.0)
+    assert B.du_peaks([]).cache_mb is None
+
+
+def test_goals_are_judged_only_on_whole_data() -> None:
+    table = B.by_part(B.durations_from_text(LOG))
+    whole = B.render(table, "cold full tier", B.du_peaks(DU.splitlines()))
+    assert "| full tier from an empty cache on 2 cores | 2700 s | 1800 s | yes |" in whole
+    assert "| cold cache | 20480 MB | 27195 MB | NO |" in whole
+    assert B.partial_durations(LOG) is None
+    cut = LOG.replace("slowest durations", "slowest 10 durations")
+    assert B.partial_durations(cut) == 10
+    shown = B.render(table, "cold full tier", None, B.partial_durations(cut))
+    assert "PARTIAL" in shown and "| full tier from an empty cache on 2 cores | 2700 s | — | — |" in shown
+    slow = B.by_part({"tests/test_x.py::t": 3000.0})
+    assert "| 3000 s | NO |" in B.render(slow, "cold full tier")
+
+
+def test_junit_and_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    xml = tmp_path / "r.xml"
+    xml.write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_pins" name="test_a" time="12.5"/>'
+        '<testcase classname="tests.test_image.TestX" name="test_b" time="3"/></testsuite></testsuites>'
+    )
+    assert B.durations_from_junit(xml) == {"tests/test_pins.py::test_a": 12.5, "tests/test_image.py::TestX::test_b": 3}
+    assert B.main(["--ingest", str(xml), "--label", "warm"]) == 0
+    assert "| pins' evidence (every pin's builds) | 1 | 12 |" in capsys.readouterr().out
+    empty = tmp_path / "empty.log"
+    empty.write_text("nothing\n")
+    assert B.main(["--ingest", str(empty)]) == 2
+    assert B.main(["--ingest", str(tmp_path / "missing.log")]) == 2
+    assert B.main([]) == 2
