@@ -139,3 +139,11 @@ class CacheError(DflashError):
     nothing in it is judged ours."""
 
     return_code = 26
+
+
+class V1RemovedError(DflashError):
+    """`upstream --against X` / `rebase --to X` / `upstream-watch`: release X has no Model Runner V1, which every patch
+    of the queue is written for. Not a conflict to refresh: one verdict, "V1 removed in X; your drafter is served by
+    V2 from Y". `upstream` prints it as its report and exits with this code; `rebase` stops with it."""
+
+    return_code = 27

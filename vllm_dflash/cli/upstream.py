@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dflash.cli.common import add_pin_argument, checkout
-from vllm_dflash.errors import ManifestError
+from vllm_dflash.errors import ManifestError, V1RemovedError
 from vllm_dflash.paths import write_text_atomic
 from vllm_dflash.upstream.evidence import load_watch_rules
 from vllm_dflash.upstream.proof import EVIDENCE, evidence_text, judge_patch, not_run, run_stock_evidence
@@ -22,7 +22,9 @@ def register(sub: Any) -> None:
         "upstream",
         help="per patch: still needed and applies / conflicts / already upstream, against a release or git ref",
         description="Check the patch queue against an upstream release (its hash-pinned PyPI sdist) or a git ref. "
-        "Never changes the repo. Exit 0 when a report was produced (see --json for the machine-readable verdicts).",
+        "Never changes the repo. Exit 0 when a report was produced (see --json for the machine-readable verdicts); "
+        "exit 27 when the release has no Model Runner V1 (one verdict: 'V1 removed in X; your drafter is served by "
+        "V2 from Y'; Y computed from the pinned releases' sources).",
     )
     p.add_argument(
         "--against",
@@ -32,6 +34,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the verdicts as JSON")
     p.add_argument("--markdown", type=Path, default=None, metavar="FILE", help="also write a Markdown report")
+    add_drafter_argument(p)
     add_evidence_argument(p)
     p.add_argument(
         "--matrix",
@@ -63,6 +66,7 @@ def register(sub: Any) -> None:
         help="retire this patch too (after you reviewed a 'superseded'/'review' verdict); repeatable",
     )
     r.add_argument("--dry-run", action="store_true", help="compute and verify everything, write nothing")
+    add_drafter_argument(r)
     add_evidence_argument(r)
     r.add_argument(
         "--continue",
@@ -72,6 +76,34 @@ def register(sub: Any) -> None:
     )
     add_pin_argument(r)
     r.set_defaults(func=run_rebase)
+
+
+def add_drafter_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drafter",
+        type=Path,
+        default=None,
+        metavar="CONFIG",
+        help="a release without Model Runner V1: name the V2 release for THIS drafter (its config.json or "
+        "directory, read offline as the doctor reads it) instead of for every drafter kind",
+    )
+
+
+def drafter_kind(args: argparse.Namespace) -> str | None:
+    """The kind (full-attention / all-sliding / mixed) of --drafter as the doctor's upstream column reads it."""
+    if getattr(args, "drafter", None) is None:
+        return None
+    from vllm_dflash.doctor.checkpoint import read_checkpoint
+    from vllm_dflash.errors import CheckpointError
+    from vllm_dflash.upstream.lineend import drafter_kind as kind_of
+
+    kind = kind_of(read_checkpoint(args.drafter).config)
+    if kind is None:
+        raise CheckpointError(
+            f"--drafter {args.drafter}: upstream vLLM does not build this drafter (see `vllm-dflash doctor`)",
+            "pass a DFlash drafter's config.json",
+        )
+    return kind
 
 
 def add_evidence_argument(p: argparse.ArgumentParser) -> None:
@@ -94,11 +126,16 @@ def run_upstream(args: argparse.Namespace) -> int:
         return run_matrix(args)
     co = checkout(args)
     m = co.manifest
+    kind = drafter_kind(args)
     target = resolve_target(m, args.against)
-    report = analyse(m, target, co.queues.dflash.patches, load_watch_rules(m.patches_dir))
+    report = analyse(m, target, co.queues.dflash.patches, load_watch_rules(m.patches_dir), kind)
     print(report.text(), end="", flush=True)
     data = report.as_json()
     markdown = report.markdown()
+    if report.end is not None:  # no V1 runner: nothing of the queue to run or judge there
+        _write_out(args.json, json.dumps(data, indent=2) + "\n")
+        _write_out(args.markdown, markdown)
+        return V1RemovedError.return_code
     if target.version is not None:
         ev = run_stock_evidence(m, target.version) if args.evidence == "run" else not_run(target.version)
         judged = [judge_patch(p, ev) for p in co.queues.dflash.patches]
@@ -165,6 +202,7 @@ def run_rebase(args: argparse.Namespace) -> int:
         args.resume,
         cpu_queue_size=len(co.queues.cpu),
         evidence=args.evidence,
+        drafter=drafter_kind(args),
     )
     verb = "would change" if result.dry_run else "changed"
     print(f"rebase to {result.version}: retired {', '.join(result.retired) or 'none'}; "

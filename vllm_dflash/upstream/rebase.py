@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dflash import proc
-from vllm_dflash.errors import UpstreamError
+from vllm_dflash.errors import UpstreamError, V1RemovedError
 from vllm_dflash.fetch import cache_dir, project_files
 from vllm_dflash.manifest import MANIFEST_NAME, VERSION_NAME, Manifest, parse_manifest, repinned_text, version_text
 from vllm_dflash.paths import copy_atomic, write_text_atomic
@@ -26,6 +26,7 @@ from vllm_dflash.pipeline.patches import apply_series
 from vllm_dflash.pipeline.source import BOT_IDENTITY, FIXED_DATE
 from vllm_dflash.series import Patch, Queue, read_queue, series_without
 from vllm_dflash.upstream.evidence import WatchRule
+from vllm_dflash.upstream.lineend import line_end
 from vllm_dflash.upstream.proof import (
     NEEDED,
     RETIRED,
@@ -192,6 +193,7 @@ def rebase(
     resume: bool = False,
     cpu_queue_size: int = 0,
     evidence: str = "run",
+    drafter: str | None = None,
 ) -> RebaseResult:
     """The `rebase` stage. Raises UpstreamError (the repo untouched) when a patch conflicts or needs review.
 
@@ -208,6 +210,13 @@ def rebase(
         )
     rel, version = target.release, target.version
     _refuse_not_newer(manifest, version)
+    end = line_end(manifest, version, target.read, drafter)
+    if end is not None:  # every patch is for Model Runner V1: there is nothing to rebase onto
+        raise V1RemovedError(
+            f"rebase --to {version} stopped, nothing changed: {end.verdict()} ({'; '.join(end.evidence)})",
+            f"stay on a pin up to 0.33.x, or leave the patches: {'; '.join(w.text() for w in end.ways)} "
+            "(docs/upstream.md)",
+        )
     unknown = [n for n in retire if n not in {p.name for p in queue}]
     if unknown:
         raise UpstreamError(f"--retire {unknown[0]}: no such patch in patches/series", "name a patch file in series")

@@ -27,6 +27,7 @@ from vllm_dflash.upstream.evidence import (
     parse_changes,
     parse_drop_when,
 )
+from vllm_dflash.upstream.lineend import LineEnd, line_end
 from vllm_dflash.upstream.targets import Target
 
 
@@ -130,6 +131,7 @@ class UpstreamReport:
     target: Target
     pinned: str
     verdicts: tuple[Verdict, ...]
+    end: LineEnd | None = None  # the target has no Model Runner V1: this verdict instead of per-patch ones
 
     @property
     def needs_attention(self) -> tuple[Verdict, ...]:
@@ -138,6 +140,7 @@ class UpstreamReport:
     def as_json(self) -> dict[str, Any]:
         return {
             "against": self.target.ref,
+            "v1_removed": self.end.as_json() if self.end is not None else None,
             "target": self.target.description,
             "kind": self.target.kind,
             "version": self.target.version,
@@ -151,6 +154,8 @@ class UpstreamReport:
 
     def text(self) -> str:
         lines = [f"patch queue (pinned {self.pinned}) against {self.target.description}", ""]
+        if self.end is not None:
+            return "\n".join([*lines, *self.end.lines()]) + "\n"
         rows = [("patch", "status", "evidence", "git apply", "content", "drop-when")]
         rows += [(v.patch, v.label, v.evidence, v.apply, v.content, v.drop_when or "-") for v in self.verdicts]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -171,6 +176,11 @@ class UpstreamReport:
         out = [
             f"Patch queue (pinned {self.pinned}) against **{self.target.description}**",
             "",
+        ]
+        if self.end is not None:
+            facts = [f"- {x.strip()}" for x in self.end.lines()[1:]]
+            return "\n".join([*out, f"**{self.end.verdict()}**", "", *facts]) + "\n"
+        out += [
             "| patch | status | evidence | git apply | content | Drop-When |",
             "| --- | --- | --- | --- | --- | --- |",
         ]
@@ -200,8 +210,19 @@ def failing_hunks(target: Target, patch: Patch) -> tuple[str, ...]:
     return tuple(failing)
 
 
-def analyse(manifest: Manifest, target: Target, queue: Sequence[Patch], rules: Sequence[WatchRule]) -> UpstreamReport:
-    """The `upstream` stage: a verdict per patch of the queue (in series order) on `target`. Changes no tree."""
+def analyse(
+    manifest: Manifest,
+    target: Target,
+    queue: Sequence[Patch],
+    rules: Sequence[WatchRule],
+    drafter: str | None = None,
+) -> UpstreamReport:
+    """The `upstream` stage: a verdict per patch of the queue (in series order) on `target`; on a target without Model
+    Runner V1, the one end-of-V1 verdict instead (for `drafter`'s kind, or every kind). Changes no tree."""
+    pinned = f"{manifest.upstream.version} ({manifest.upstream.tag})"
+    end = line_end(manifest, target.version, target.read, drafter)
+    if end is not None:
+        return UpstreamReport(target=target, pinned=pinned, verdicts=(), end=end)
     checks = check_series(target.tree, queue, ref=target.rev)
     verdicts: list[Verdict] = []
     for check in checks:
@@ -239,5 +260,4 @@ def analyse(manifest: Manifest, target: Target, queue: Sequence[Patch], rules: S
                 notes=notes,
             )
         )
-    return UpstreamReport(target=target, pinned=f"{manifest.upstream.version} ({manifest.upstream.tag})",
-                          verdicts=tuple(verdicts))  # fmt: skip
+    return UpstreamReport(target=target, pinned=pinned, verdicts=tuple(verdicts))
