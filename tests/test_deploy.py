@@ -216,3 +216,86 @@ def test_verify_check_refuses_an_edited_manifest() -> None:
         deploy.check({deploy.PRODUCTION_STACK: good[deploy.PRODUCTION_STACK]}, [IMAGE], PROFILES)
     with pytest.raises(VerifyError, match="names no image"):
         deploy.check(good, [], PROFILES)
+
+
+# The production-stack chart the values are rendered with: the commit the values schema is vendored from, its helm/
+# directory pinned by the sha256 of `sha256sum` over its files, sorted by path (the tarball's bytes are GitHub's).
+CHART_COMMIT = "a6c01db05f65f556235413ba8dbcfb0c01132fff"
+CHART_FILES_SHA256 = "4d212a8b87f67ea5cef9e6e209cbe0be6be0042d5f3e06d4e62235d495235017"
+CHART_URL = f"https://codeload.github.com/vllm-project/production-stack/tar.gz/{CHART_COMMIT}"
+
+
+def _files_digest(root: Path) -> str:
+    import hashlib
+
+    lines = "".join(
+        f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(root.parent).as_posix()}\n"
+        for p in sorted(root.rglob("*"), key=lambda p: p.relative_to(root.parent).as_posix())
+        if p.is_file()
+    )
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def _production_stack_chart() -> Path:
+    """The pinned chart's helm/ directory, from the cache or downloaded (and checked) into it."""
+    import shutil
+    import tarfile
+    import tempfile
+    import urllib.request
+
+    from vllm_dflash.fetch import cache_dir
+
+    dest = cache_dir() / "charts" / f"production-stack-{CHART_COMMIT[:12]}" / "helm"
+    if dest.is_dir() and _files_digest(dest) == CHART_FILES_SHA256:
+        return dest
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        archive = Path(tmp) / "chart.tar.gz"
+        print("+ download", CHART_URL, file=sys.stderr)
+        with urllib.request.urlopen(CHART_URL, timeout=120) as r, archive.open("wb") as f:
+            shutil.copyfileobj(r, f)
+        with tarfile.open(archive) as t:
+            members = [m for m in t.getmembers() if m.name.split("/")[1:2] == ["helm"]]
+            t.extractall(tmp, members=members, filter="data")
+        got = Path(tmp) / f"production-stack-{CHART_COMMIT}" / "helm"
+        assert _files_digest(got) == CHART_FILES_SHA256, "the downloaded chart is not the pinned one"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(dest, ignore_errors=True)  # ours: a stale copy of this pinned chart
+        got.rename(dest)
+    return dest
+
+
+@pytest.mark.heavy
+@pytest.mark.network
+def test_production_stack_chart_renders_the_full_command(tmp_path: Path) -> None:
+    """The real chart, rendered offline by helm-python-sdk (Helm's engine, no helm binary): its Deployment is a
+    valid core kind, runs `vllm serve <model> --host 0.0.0.0 --port 8000 …` with the profile's arguments, pulls
+    the image by digest and probes /health on 8000."""
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk is in the test extra")
+    values = docs()[deploy.PRODUCTION_STACK]
+    with helm.Chart.load(str(_production_stack_chart())) as chart:
+        rendered = chart.render(values, name="dflash", namespace="default", is_install=True)
+    import yaml
+
+    objects = [o for text in rendered.values() for o in yaml.safe_load_all(text) if o]
+    deployments = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-deployment-vllm")]
+    assert len(deployments) == 1, [o["metadata"]["name"] for o in objects]
+    dep = deployments[0]
+    print(json.dumps(dep["spec"]["template"]["spec"]["containers"][0], indent=1), file=sys.stderr)
+    ok = kubernetes_validate(dep, tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert dep["spec"]["replicas"] == 2
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["image"] == f"{IMAGE.repository}@{IMAGE.digest}"
+    assert c["command"][:7] == ["vllm", "serve", PROFILE.target, "--host", "0.0.0.0", "--port", "8000"]
+    spec = json.loads(c["command"][c["command"].index("--speculative-config") + 1])
+    assert spec == PROFILE.speculative_config
+    assert " ".join(PROFILE.serve_args) in " ".join(c["command"])
+    assert "--no-enable-prefix-caching" not in c["command"]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": 8000}, probe
+    bad = copy.deepcopy(dep)
+    bad["spec"]["template"]["spec"]["containers"][0]["comand"] = bad["spec"]["template"]["spec"]["containers"][0].pop(
+        "command"
+    )
+    failed = kubernetes_validate(bad, tmp_path)
+    assert failed.returncode != 0 and "comand" in failed.stdout + failed.stderr
