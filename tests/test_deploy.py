@@ -40,7 +40,11 @@ def strict(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {k: strict(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -77,7 +81,7 @@ def test_repository_deploy_is_generated_from_dist_toml() -> None:
     assert got == expected, (
         "deploy/ is stale: regenerate it with python -c 'from pathlib import Path; from vllm_dflash.manifest import "
         "load_manifest; from vllm_dflash.release.deploy import write_templates; "
-        "write_templates(load_manifest(Path(\".\")), Path(\".\"))'"
+        'write_templates(load_manifest(Path(".")), Path("."))\''
     )
 
 
@@ -133,7 +137,7 @@ def test_deploy_image_choice() -> None:
 
 
 # A misspelt field (each one the controller would drop without a word) and where it sits.
-MISSPELT = {
+MISSPELT: dict[str, tuple[tuple[str | int, ...], str, str]] = {
     deploy.PRODUCTION_STACK: (("servingEngineSpec", "modelSpec", 0), "replicaCount", "replicaCont"),
     deploy.SERVING_RUNTIME: (("spec",), "supportedModelFormats", "supportedModelFormat"),
     deploy.LLM_INFERENCE_SERVICE: (("spec", "template", "containers", 0), "command", "comand"),
@@ -192,7 +196,7 @@ def kubernetes_validate(doc: Any, tmp_path: Path) -> subprocess.CompletedProcess
 def test_core_kinds_validate_and_a_misspelt_field_fails(stack: str, tmp_path: Path) -> None:
     pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the test extra")
     spec = dict(_pods())[stack]
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "vllm-dflash"}, "spec": spec}
+    pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "vllm-dflash"}, "spec": spec}
     ok = kubernetes_validate(pod, tmp_path)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     bad = copy.deepcopy(pod)
@@ -207,7 +211,7 @@ def test_verify_check_refuses_an_edited_manifest() -> None:
     deploy.check(good, [IMAGE], PROFILES)
     edited = dict(good)
     edited[deploy.SERVING_RUNTIME] = good[deploy.SERVING_RUNTIME].replace(b"16384", b"32768")
-    with pytest.raises(VerifyError, match="not what dist.toml"):
+    with pytest.raises(VerifyError, match="not what dist"):
         deploy.check(edited, [IMAGE], PROFILES)
     other = ImageRef(IMAGE.repository, "sha256:" + "cd" * 32)
     with pytest.raises(VerifyError, match="does not pull"):
@@ -274,10 +278,12 @@ def test_production_stack_chart_renders_the_full_command(tmp_path: Path) -> None
     values = docs()[deploy.PRODUCTION_STACK]
     with helm.Chart.load(str(_production_stack_chart())) as chart:
         rendered = chart.render(values, name="dflash", namespace="default", is_install=True)
-    import yaml
+    import yaml  # type: ignore[import-untyped]  # kubernetes-validate's dependency
 
     objects = [o for text in rendered.values() for o in yaml.safe_load_all(text) if o]
-    deployments = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-deployment-vllm")]
+    deployments = [
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-deployment-vllm")
+    ]
     assert len(deployments) == 1, [o["metadata"]["name"] for o in objects]
     dep = deployments[0]
     print(json.dumps(dep["spec"]["template"]["spec"]["containers"][0], indent=1), file=sys.stderr)

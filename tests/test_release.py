@@ -376,21 +376,21 @@ def test_coordinated_alterations_fail(
     assert "not signed" in refused(d, VerifyOptions(profiles=PROFILES, public_keys=(keys["public"],)))
     # A deployment manifest's serve argument edited (signatures stripped, SHA256SUMS recomputed): the manifests are
     # checked against dist.toml's deployment profile; one removed is missing; one naming another image is refused.
-    d = copy_release(signed.directory, tmp_path / "h")
-    for p in d.iterdir():
+    h = copy_release(signed.directory, tmp_path / "h")
+    for p in h.iterdir():
         if p.name in (layout.PUBLIC_KEY, layout.SUMS_ENVELOPE) or p.name.endswith(layout.ENVELOPE_SUFFIX):
             p.unlink()
     runtime = layout.DEPLOY_NAMES[1]
-    replace_bytes(d / runtime, lambda b: b.replace(b"--max-model-len 16384", b"--max-model-len 131072"))
-    _resum(d)
+    replace_bytes(h / runtime, lambda b: b.replace(b"--max-model-len 16384", b"--max-model-len 131072"))
+    _resum(h)
     real = {**PROFILES, **load_manifest(checkout).profiles}
-    assert refused(d, VerifyOptions(profiles=real)).startswith(f"error: {runtime}: not what dist.toml's")
-    replace_bytes(d / runtime, lambda b: b.replace(b"sha256:" + b"ab" * 32, b"sha256:" + b"cd" * 32))
-    _resum(d)
-    assert refused(d).startswith(f"error: {runtime}: does not pull")
-    (d / runtime).unlink()
-    _resum(d)
-    assert refused(d).startswith(f"error: {runtime}: missing")
+    assert refused(h, VerifyOptions(profiles=real)).startswith(f"error: {runtime}: not what dist.toml's")
+    replace_bytes(h / runtime, lambda b: b.replace(b"sha256:" + b"ab" * 32, b"sha256:" + b"cd" * 32))
+    _resum(h)
+    assert refused(h).startswith(f"error: {runtime}: does not pull")
+    (h / runtime).unlink()
+    _resum(h)
+    assert refused(h).startswith(f"error: {runtime}: missing")
     assert "not signed" in refused(d, VerifyOptions(profiles=PROFILES, require_signature=True))
     assert not verify(d, VerifyOptions(profiles=PROFILES)).signed
 
