@@ -235,6 +235,7 @@ def test_signed_release_layout_and_verify(
     assert names == list(signed.files)
     per_wheel = {".cdx.json", ".intoto.json", ".intoto.dsse.json", ".validation-gate-test.json"}
     expected = {layout.SUMS, layout.SUMS_ENVELOPE, layout.NOTES, layout.PUBLIC_KEY, layout.IMAGES}  # it names an image
+    expected |= set(layout.DEPLOY_NAMES)  # and so carries the deployment manifests that pull it
     for w in built.values():
         expected |= {w.path.name} | {w.path.name + s for s in per_wheel}
     assert set(names) == expected
@@ -330,7 +331,12 @@ def _resum(d: Path) -> None:
 
 
 def test_coordinated_alterations_fail(
-    unsigned: Release, signed: Release, built: dict[str, WheelResult], keys: dict[str, Path], tmp_path: Path
+    unsigned: Release,
+    signed: Release,
+    built: dict[str, WheelResult],
+    keys: dict[str, Path],
+    checkout: Path,
+    tmp_path: Path,
 ) -> None:
     x86 = built["x86_64"].path.name
     # SBOM content changed and SHA256SUMS recomputed: the SBOM no longer describes the wheel.
@@ -368,6 +374,23 @@ def test_coordinated_alterations_fail(
             p.unlink()
     _resum(d)
     assert "not signed" in refused(d, VerifyOptions(profiles=PROFILES, public_keys=(keys["public"],)))
+    # A deployment manifest's serve argument edited (signatures stripped, SHA256SUMS recomputed): the manifests are
+    # checked against dist.toml's deployment profile; one removed is missing; one naming another image is refused.
+    h = copy_release(signed.directory, tmp_path / "h")
+    for p in h.iterdir():
+        if p.name in (layout.PUBLIC_KEY, layout.SUMS_ENVELOPE) or p.name.endswith(layout.ENVELOPE_SUFFIX):
+            p.unlink()
+    runtime = layout.DEPLOY_NAMES[1]
+    replace_bytes(h / runtime, lambda b: b.replace(b"--max-model-len 16384", b"--max-model-len 131072"))
+    _resum(h)
+    real = {**PROFILES, **load_manifest(checkout).profiles}
+    assert refused(h, VerifyOptions(profiles=real)).startswith(f"error: {runtime}: not what dist.toml's")
+    replace_bytes(h / runtime, lambda b: b.replace(b"sha256:" + b"ab" * 32, b"sha256:" + b"cd" * 32))
+    _resum(h)
+    assert refused(h).startswith(f"error: {runtime}: does not pull")
+    (h / runtime).unlink()
+    _resum(h)
+    assert refused(h).startswith(f"error: {runtime}: missing")
     assert "not signed" in refused(d, VerifyOptions(profiles=PROFILES, require_signature=True))
     assert not verify(d, VerifyOptions(profiles=PROFILES)).signed
 

@@ -7,6 +7,7 @@
     <wheel>.validation-<profile>.json  sealed validation reports that name the wheel's sha256 (when given)
     RELEASE-NOTES.md
     images.json                      the container images named (by digest), bound to their wheels (`images.py`)
+    deploy-*.yaml                    Kubernetes manifests pulling the image (with images; `deploy.py` names them)
     signing-key.pub                  PEM public key the envelopes verify with (signed releases)
     SHA256SUMS                       `sha256sum -c` format over every file above
     SHA256SUMS.dsse.json             DSSE envelope over SHA256SUMS (signed releases)
@@ -34,6 +35,12 @@ SBOM_SUFFIX = ".cdx.json"
 STATEMENT_SUFFIX = ".intoto.json"
 ENVELOPE_SUFFIX = ".intoto.dsse.json"
 REPORT_INFIX = ".validation-"
+# release/deploy.py's file names (kept here so layout imports nothing of the release's documents).
+DEPLOY_NAMES = (
+    "deploy-production-stack.values.yaml",
+    "deploy-kserve-servingruntime.yaml",
+    "deploy-kserve-llminferenceservice.yaml",
+)
 
 _SUMS_LINE = re.compile(r"^(?P<sha>[0-9a-f]{64})  (?P<name>[^\n/]+)$")
 
@@ -46,6 +53,7 @@ class Kind(enum.Enum):
     REPORT = "validation report"
     NOTES = "release notes"
     IMAGES = "image list"
+    DEPLOY = "deployment manifest"
     PUBLIC_KEY = "public key"
     SUMS = "checksum list"
     SUMS_ENVELOPE = "checksum list signature"
@@ -87,6 +95,8 @@ def classify(name: str) -> Member | None:
     }
     if name in fixed:
         return Member(name, fixed[name], None)
+    if name in DEPLOY_NAMES:
+        return Member(name, Kind.DEPLOY, None)
     if name.endswith(".whl"):
         return Member(name, Kind.WHEEL, name)
     wheel, sep, rest = name.partition(".whl.")

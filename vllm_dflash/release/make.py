@@ -20,7 +20,7 @@ from vllm_dflash.errors import ProvenanceError, StorageError, VerifyError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Manifest, Profile
 from vllm_dflash.paths import copy_atomic, ensure_dir, storage_error, temp_sibling, temporary_pid, write_bytes_atomic
-from vllm_dflash.release import dsse, layout
+from vllm_dflash.release import deploy, dsse, layout
 from vllm_dflash.release.facts import SourceMaterial, WheelFacts, read_facts, source_material
 from vllm_dflash.release.images import build_images
 from vllm_dflash.release.notes import AttachedReport, ImageRef, release_notes
@@ -181,6 +181,7 @@ def make_release(
     ).encode()
     if options.images:  # each per-platform image bound to its platform's wheel; refused when none is here
         docs[layout.IMAGES] = build_images(facts, options.images)
+        docs |= deploy.manifests(manifest.profiles, deploy.deploy_image(options.images))
     if key is not None:
         docs[layout.PUBLIC_KEY] = dsse.public_pem(key.public)
 

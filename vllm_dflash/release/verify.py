@@ -14,6 +14,8 @@ Checks, in order, each failure one VerifyError line (exit 17) naming the file an
 4. The release notes name every wheel's sha256.
 5. images.json (when the release names images): every per-platform image names this release's wheel of its
    platform by file name and sha256, one image per platform and one index at most, each named in the notes.
+6. The deployment manifests (deploy.py): present exactly when images are named, each pulling the deployment image,
+   and (with the manifest's profiles) byte for byte what the deployment profile gives.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from vllm_dflash import report as reports
 from vllm_dflash.errors import VerifyError
 from vllm_dflash.fetch import sha256_file
 from vllm_dflash.manifest import Profile
-from vllm_dflash.release import dsse, layout
+from vllm_dflash.release import deploy, dsse, layout
 from vllm_dflash.release.facts import WheelFacts, read_facts
 from vllm_dflash.release.images import check_images
 from vllm_dflash.release.layout import Kind
@@ -245,6 +247,10 @@ def _verify(target: Path, options: VerifyOptions) -> VerifyResult:
         images = check_images(
             _read(directory / layout.IMAGES), {w: listed[w] for w in all_wheels}, notes, layout.IMAGES, _RESTORE
         )
+    # 6. Deployment manifests (a whole release only: they belong to no wheel).
+    if not partial:
+        deploys = {n: _read(directory / n) for n, m in members.items() if m.kind is Kind.DEPLOY}
+        deploy.check(deploys, images, options.profiles)
     return VerifyResult(
         directory=directory,
         wheels=tuple(verified),
