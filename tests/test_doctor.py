@@ -742,3 +742,60 @@ def test_context_sizes_the_kv_cache_with_vllms_own_specs(tmp_path: Path) -> None
     }
     assert "this build keeps 22.5% of stock's drafter KV cache" in run.stdout
     assert "drafter share, stock 0.20.1: 23.8% of target + drafter" in run.stdout
+
+
+# ---- issue 39: classes the rules misread ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("hidden_size", "5120"),
+        ("num_attention_heads", 32.0),
+        ("vocab_size", None),
+        ("rms_norm_eps", 1),
+        ("head_dim", "128"),
+    ],
+)
+def test_an_odd_typed_size_field_is_refused_as_transformers_refuses_it(
+    name: str, value: Any, code: ours.OurCode
+) -> None:
+    """transformers 5.15.0 and 5.25.0 (both side environments) raise StrictDataclassFieldValidationError on
+    Qwen3Config(**{name: value}) for each of these: every vLLM build refuses the published file so edited."""
+    cfg = published_q36()
+    cfg[name] = value
+    d = diag(cfg, code)
+    assert d.exit_code == 21 and f"transformers refuses {name} = {json.dumps(value)}" in d.verdict
+    assert diag(published_q36(), code).exit_code == 20  # the control: the same file as published
+
+
+def _speculators_sliding(non_causal: Any) -> dict[str, Any]:
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "speculators_config": {"algorithm": "dflash"},
+        "aux_hidden_state_layer_ids": [2, 10],
+        "mask_token_id": 7,
+        "sliding_window_non_causal": non_causal,
+        "transformer_layer_config": {
+            "model_type": "qwen3",
+            "num_hidden_layers": 2,
+            "num_target_layers": 12,
+            "layer_types": [S, F],
+            "use_sliding_window": True,
+            "sliding_window": 64,
+        },
+    }
+
+
+def test_speculators_non_causal_sliding_window_is_what_this_build_misreads(code: ours.OurCode) -> None:
+    """vLLM 0.33.0's update_dflash sets dflash_config.causal = not sliding_window_non_causal. This build does not read
+    the field and runs a declared sliding layer causal: `true` (trained non-causal) is the value it mis-serves,
+    `false` the one it agrees with (before issue 39 the rule was the other way round)."""
+    d = diag(_speculators_sliding(True), code)
+    assert d.exit_code == 22 and "sliding_window_non_causal" in d.verdict
+    assert [c for _, _, c in mine(d)] == [True, False]  # what this build runs instead: a causal sliding layer
+    upstream = [r.causal for r in d.rows if r.build == "upstream 0.33"]
+    assert upstream == [False, False]  # what the checkpoint asks for (0.33.0's reading)
+    d = diag(_speculators_sliding(False), code)
+    assert d.exit_code == 20 and any("sliding_window_non_causal" in x for x in d.ignored)
