@@ -799,3 +799,27 @@ def test_speculators_non_causal_sliding_window_is_what_this_build_misreads(code:
     assert upstream == [False, False]  # what the checkpoint asks for (0.33.0's reading)
     d = diag(_speculators_sliding(False), code)
     assert d.exit_code == 20 and any("sliding_window_non_causal" in x for x in d.ignored)
+
+
+@pytest.mark.parametrize(
+    ("ids", "fed"),
+    [([61, 46, 31, 16, 1], "1, 16, 31, 46, 61 (5 taps)"), ([1, 16, 16, 46, 61], "1, 16, 46, 61 (4 taps)")],
+)
+def test_unsorted_or_duplicated_ids_are_not_fed_in_the_listed_order(
+    ids: list[int], fed: str, code: ours.OurCode
+) -> None:
+    """vLLM 0.20.1's EagleModelMixin._maybe_add_hidden_state records `layer_idx in aux_hidden_state_layers` layer by
+    layer: in layer order, once each; the reference concatenates target_layer_ids in the listed order."""
+    cfg = published_q36()
+    cfg["dflash_config"]["target_layer_ids"] = ids
+    d = diag(cfg, code)
+    assert d.exit_code == 22 and f"outputs of target layers {fed}" in d.verdict, d.verdict
+    assert diag(published_q36(), code).exit_code == 20  # ascending, each once: the control
+
+
+def test_float_ids_are_worded_as_the_layers_vllm_taps(code: ours.OurCode) -> None:
+    """`2.0 in (2,)` is True in Python: vLLM taps layer 2 for an id 2.0, so the words name the ints it matches."""
+    cfg = published_q36()
+    cfg["dflash_config"]["target_layer_ids"] = [1.0, 16.0, 31.0, 46.0, 61.0]
+    d = diag(cfg, code)
+    assert "outputs of target layers 0, 15, 30, 45, 60 instead of 1, 16, 31, 46, 61" in d.verdict, d.verdict

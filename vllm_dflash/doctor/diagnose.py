@@ -210,7 +210,24 @@ def _positions(a: list[Any] | None, b: list[Any] | None) -> list[int]:
 def _outputs(aux: list[Any] | None) -> list[Any] | None:
     if aux is None:
         return None
-    return [i - 1 if isinstance(i, int) and not isinstance(i, bool) else i for i in aux]
+    # vLLM matches `layer_idx in aux`, so an integral float id taps that layer: word it as the int it matches.
+    return [int(i) - 1 if isinstance(i, float) and i.is_integer() else i - 1 if _is_int(i) else i for i in aux]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+SRC_RECORDED = "vllm 0.20.1 vllm/model_executor/models/interfaces.py EagleModelMixin._maybe_add_hidden_state"
+
+
+def recorded(aux: list[Any], target_layers: int | None) -> list[int] | None:
+    """The aux indices the target's forward records, in its order: `layer_idx in aux_hidden_state_layers` for each
+    layer in turn (SRC_RECORDED): layer order, once each, never a negative index. None when an id is no number."""
+    if not all(isinstance(i, (int, float)) and not isinstance(i, bool) for i in aux):
+        return None
+    top = target_layers if target_layers is not None else int(max(aux, default=-1)) + 1
+    return [k for k in range(max(0, top)) if k in aux]
 
 
 def _span(items: list[int]) -> str:
@@ -238,6 +255,16 @@ def _taps(
                 f"a read of the last target layer ({target_layers - 1}): vLLM takes it before the final norm, the "
                 "reference after it"
             )
+    aux = readings[OURS].taps
+    got = recorded(list(aux), target_layers) if aux else None
+    if aux and got is not None and got != list(aux) and not any("outside" in p for p in problems):
+        problems.append(
+            f"recorded: the target records its taps in layer order, once each, never a negative index "
+            f"({SRC_RECORDED}, read from the code): this build feeds the drafter's fc the outputs of target layers "
+            f"{_span(_outputs(list(got)) or [])} ({len(got)} taps) where it was trained on "
+            f"{_span(_outputs(list(aux)) or [])} in that order ({len(aux)} taps) -- list target_layer_ids ascending, "
+            "each once, each 0 or more"
+        )
     layer = raw.get("transformer_layer_config") if "speculators_model_type" in raw else raw
     n_target = layer.get("num_target_layers") if isinstance(layer, Mapping) else None
     if target_layers is None and isinstance(n_target, int) and not isinstance(n_target, bool) and ids is not None:
@@ -341,6 +368,10 @@ def diagnose(
         klass = MISFIT
         verdict = f"{MISFIT}: " + next(p for p in taps.problems if "outside" in p)
         advice.append("pair the drafter with the target it was trained for (--target), or fix target_layer_ids")
+    elif any(p.startswith("recorded: ") for p in taps.problems):
+        klass = NOT_RUNNABLE
+        verdict = f"{NOT_RUNNABLE}: " + next(p for p in taps.problems if p.startswith("recorded: "))[10:]
+        advice.append("fix target_layer_ids as the line says (the fc's inputs follow the recorded order)")
     elif ours.refusal is not None and ours.refusal.stage == "class":
         up_model = up.model if up.refusal is None else ""
         where = f"{UPSTREAM_NAME} serves it ({up_model}, {runner})" if up_model else "no vLLM release we know"
