@@ -823,3 +823,18 @@ def test_float_ids_are_worded_as_the_layers_vllm_taps(code: ours.OurCode) -> Non
     cfg["dflash_config"]["target_layer_ids"] = [1.0, 16.0, 31.0, 46.0, 61.0]
     d = diag(cfg, code)
     assert "outputs of target layers 0, 15, 30, 45, 60 instead of 1, 16, 31, 46, 61" in d.verdict, d.verdict
+
+
+def test_negative_ids_say_what_each_build_records(code: ours.OurCode) -> None:
+    """Id -1 is the embeddings for the reference (dflash 0.1.0 extract_context_feature: hidden_states[-1 + 1]) and
+    for this build (aux 0, the input of layer 0); stock's aux -1 is never recorded (`layer_idx in ...`). Id -2 is the
+    reference's last hidden state (hidden_states[-1]) but no layer vLLM records: not runnable."""
+    cfg = published_q36()
+    cfg["dflash_config"]["target_layer_ids"] = [-1, 16, 31, 46, 61]
+    d = diag(cfg, code)
+    assert d.exit_code == 20 and "-2" not in d.verdict, d.verdict
+    assert "target layers 15, 30, 45, 60 instead of -1 (the embeddings), 16" in d.verdict
+    assert "1 tap never recorded: the fc gets 4 of 5" in d.verdict
+    cfg["dflash_config"]["target_layer_ids"] = [-2, 16, 31, 46, 61]
+    d = diag(cfg, code)
+    assert d.exit_code == 22 and "(4 taps) where it was trained on" in d.verdict, d.verdict

@@ -214,6 +214,11 @@ def _outputs(aux: list[Any] | None) -> list[Any] | None:
     return [int(i) - 1 if isinstance(i, float) and i.is_integer() else i - 1 if _is_int(i) else i for i in aux]
 
 
+def _layers(outputs: list[Any]) -> str:
+    """Output-of-layer ids in words: -1 is the input of layer 0, the embeddings."""
+    return ", ".join("-1 (the embeddings)" if i == -1 else str(i) for i in outputs)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -290,9 +295,17 @@ def _taps(
 def _stock_words(ours: rules.Reading, stock: rules.Reading, taps: Taps, wrong: dict[str, list[int]]) -> list[str]:
     out = []
     if "taps" in wrong and taps.ours_aux is not None and taps.stock_aux is not None:
+        # What stock's target records (an aux index -1 never is), not the list it was given.
+        fed = recorded(list(taps.stock_aux), taps.target_layers) or list(taps.stock_aux)
+        lost = len(taps.stock_aux) - len(fed)
         out.append(
-            f"stock vLLM 0.20.1 feeds the drafter the outputs of target layers {_span(_outputs(taps.stock_aux) or [])}"
-            f" instead of {_span(_outputs(taps.ours_aux) or [])} (one layer too early each)"
+            f"stock vLLM 0.20.1 feeds the drafter the outputs of target layers {_layers(_outputs(fed) or [])}"
+            f" instead of {_layers(_outputs(taps.ours_aux) or [])} (one layer too early each"
+            + (
+                f"; {lost} tap{'s' * (lost > 1)} never recorded: the fc gets {len(fed)} of {len(taps.stock_aux)})"
+                if lost
+                else ")"
+            )
         )
     assert ours.layers is not None and stock.layers is not None
     if "windows" in wrong:
