@@ -838,3 +838,14 @@ def test_negative_ids_say_what_each_build_records(code: ours.OurCode) -> None:
     cfg["dflash_config"]["target_layer_ids"] = [-2, 16, 31, 46, 61]
     d = diag(cfg, code)
     assert d.exit_code == 22 and "(4 taps) where it was trained on" in d.verdict, d.verdict
+
+
+@pytest.mark.parametrize("mask", [248320, 999999, "248070", -1])
+def test_a_mask_token_outside_the_vocabulary_or_a_string_is_named(mask: Any, code: ours.OurCode) -> None:
+    """The proposer fills the masked slots with dflash_config.mask_token_id as written (a rule, named as one)."""
+    cfg = published_q36()
+    cfg["dflash_config"]["mask_token_id"] = mask
+    d = diag(cfg, code)
+    assert d.exit_code == 22 and f"mask_token_id {mask!r} is no token" in d.verdict and "rule read from" in d.verdict
+    cfg["dflash_config"]["mask_token_id"] = 248319  # the last token: the control
+    assert diag(cfg, code).exit_code == 20

@@ -214,6 +214,24 @@ def _outputs(aux: list[Any] | None) -> list[Any] | None:
     return [int(i) - 1 if isinstance(i, float) and i.is_integer() else i - 1 if _is_int(i) else i for i in aux]
 
 
+SRC_MASK = "vllm 0.20.1 vllm/v1/spec_decode/llm_base_proposer.py _init_parallel_drafting_params"
+
+
+def _mask_token(ours: rules.Reading) -> list[str]:
+    """The proposer fills every masked slot with dflash_config.mask_token_id as it is, and the drafter embeds it: a
+    string or an id outside the drafter's vocabulary is no token it can embed (a rule read from the code, not run)."""
+    dflash = ours.loaded.get("dflash_config") if ours.loaded.attrs else None
+    if not isinstance(dflash, Mapping) or "mask_token_id" not in dflash:
+        return []
+    mask, vocab = dflash["mask_token_id"], ours.loaded.get("vocab_size")
+    if _is_int(mask) and (not _is_int(vocab) or 0 <= mask < vocab):
+        return []
+    return [
+        f"mask_token_id {mask!r} is no token of the drafter's vocabulary (vocab_size {vocab!r}): the proposer fills "
+        f"the masked slots with it as written [rule read from {SRC_MASK}, not run]: fix dflash_config.mask_token_id"
+    ]
+
+
 def _layers(outputs: list[Any]) -> str:
     """Output-of-layer ids in words: -1 is the input of layer 0, the embeddings."""
     return ", ".join("-1 (the embeddings)" if i == -1 else str(i) for i in outputs)
@@ -358,6 +376,7 @@ def diagnose(
             f"target {'/'.join(target_architectures)} records no auxiliary hidden states in vLLM 0.20.1 "
             f"(no SupportsEagle3) [{rules.SRC_AUX_TARGETS}]: a vLLM release whose model implements it (not checked)"
         )
+    blocking += _mask_token(ours)
     kind = drafter_kind(raw)
     layer = raw.get("transformer_layer_config") if ck.speculators else raw
     dflash = (layer.get("dflash_config") if isinstance(layer, Mapping) else None) or {}
