@@ -849,3 +849,12 @@ def test_a_mask_token_outside_the_vocabulary_or_a_string_is_named(mask: Any, cod
     assert d.exit_code == 22 and f"mask_token_id {mask!r} is no token" in d.verdict and "rule read from" in d.verdict
     cfg["dflash_config"]["mask_token_id"] = 248319  # the last token: the control
     assert diag(cfg, code).exit_code == 20
+
+
+def test_the_last_layer_note_needs_no_target(code: ours.OurCode) -> None:
+    """Without --target the drafter's own num_target_layers names the last layer; the note is kept."""
+    cfg = published_q36()
+    cfg["dflash_config"]["target_layer_ids"] = [1, 16, 31, 46, 63]
+    assert any("last target layer (63" in p for p in diag(cfg, code).taps.problems)
+    assert "last target layer" in D.render_text(diag(cfg, code))
+    assert not any("last target layer" in p for p in diag(published_q36(), code).taps.problems)  # the control

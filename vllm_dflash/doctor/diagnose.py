@@ -297,6 +297,11 @@ def _taps(
                 f"note: target_layer_ids {bad} lie beyond the drafter's own num_target_layers {n_target} (pass "
                 "--target to check against the target you serve)"
             )
+        elif n_target - 1 in ids:
+            problems.append(
+                f"a read of the last target layer ({n_target - 1}, from the drafter's own num_target_layers): vLLM "
+                "takes it before the final norm, the reference after it"
+            )
     return Taps(
         ids,
         ids_from,
