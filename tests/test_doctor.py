@@ -858,3 +858,39 @@ def test_the_last_layer_note_needs_no_target(code: ours.OurCode) -> None:
     assert any("last target layer (63" in p for p in diag(cfg, code).taps.problems)
     assert "last target layer" in D.render_text(diag(cfg, code))
     assert not any("last target layer" in p for p in diag(published_q36(), code).taps.problems)  # the control
+
+
+def test_context_takes_the_serve_arguments() -> None:
+    from vllm_dflash.doctor import kvcache
+
+    assert kvcache.serve_shape(["--max-model-len", "16384", "--max-num-batched-tokens", "32768"], "x") == {
+        "max_num_batched_tokens": 32768
+    }
+    assert kvcache.serve_shape(["--block-size=32", "--gpu-memory-utilization", "0.9"], "x") == {"block_size": 32}
+    with pytest.raises(CheckpointError, match="--max-num-batched-tokens 'lots' is no positive number"):
+        kvcache.serve_shape(["--max-num-batched-tokens", "lots"], "x")
+
+
+@pytest.mark.heavy
+def test_context_with_the_profiles_serve_arguments(tmp_path: Path) -> None:
+    """At 16K context the qwen3.6-27b profile's 32,768-token prefill chunk makes each sliding layer reserve its window
+    plus one chunk (capped at the context): more than a full layer, so this build keeps no less than stock."""
+    ck = REPO / "vllm_dflash" / "doctor" / "checkpoints" / "z-lab--Qwen3.6-27B-DFlash.json"
+    figures = {}
+    for extra in ([], ["--profile", "qwen3.6-27b"]):
+        out = tmp_path / f"d{len(extra)}.json"
+        args = ["doctor", str(ck), "--context", "16384", "--json", str(out), *extra]
+        run = subprocess.run(
+            [sys.executable, "-m", "vllm_dflash", "--root", str(REPO), *args],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert run.returncode == 20, run.stderr[-2000:]
+        figures[len(extra)] = json.loads(out.read_text())["kv_cache"]["per_sequence_bytes"]
+    page = 16 * 8 * 128 * 2 * 2
+    full = 16384 // 16 * page
+    assert figures[0]["this_build"] < figures[0]["stock"]  # the control: the default 2,048-token chunk
+    assert figures[2]["this_build"] > figures[2]["stock"] == 5 * full
+    # window + chunk exceeds the context: SlidingWindowSpec caps a layer at max_model_len, plus one block
+    assert figures[2]["this_build"] == full + 4 * (min(2048 + 15 - 1 + 32768, 16384) // 16 + 1) * page
