@@ -895,6 +895,11 @@ def test_eviction_checks_fail_without_eviction_and_pass_on_a_plateau() -> None:
     assert compare.kv_problems(long, C.FULL_KV, _kv_metrics(full, whole)) == []
     assert compare.kv_problems(long, C.FULL_KV, _kv_metrics(full, [[174, 177, 11]]))
     assert compare.kv_problems(long, C.FULL_KV, _kv_metrics(WINDOWED, PLATEAU))
+    # a sliding drafter group on full-kv is wrong even when it happens to hold the whole context
+    kept_whole = [[*r[:4], -(-r[1] // 16)] for r in PLATEAU]
+    assert compare.kv_problems(long, C.FULL_KV, _kv_metrics(WINDOWED, kept_whole)) == [
+        f"{C.FULL_KV}: drafter layers in sliding-window group 2"
+    ]
     assert (
         compare.kv_problems(long, "stock", {}) == []
         and compare.kv_problems(C.get_cases(["mixed"])[0], "patched", {}) == []

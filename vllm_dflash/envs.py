@@ -4,15 +4,21 @@ package with its own torch), and the vLLM CPU runtime (one base venv for vllm-cp
 
 One way to build any of them (`_build_once`): under a file lock (concurrent runs wait for one build), into a
 temporary name, marked complete last, then renamed. An interrupted build is never mistaken for a finished one.
+Before the marker, every large file that a finished sibling holds byte for byte at the same place becomes a hard link
+to the sibling's (`share_identical`): the pins' runtimes differ in a few packages, their vLLM builds in a few files,
+so a cold cache holds the torch stack once, not once per pin.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import filecmp
 import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
 import zipfile
 from collections.abc import Callable, Mapping
@@ -54,6 +60,9 @@ def _build_once(path: Path, build: Callable[[Path], None], what: str, in_place: 
         print(f"creating {what} in {path}", flush=True)
         try:
             build(work)
+            shared = share_identical(work, _finished_siblings(path))
+            if shared:
+                print(f"{what}: {shared / 2**30:.1f} GiB shared with the cache's other environments", flush=True)
             (work / _MARKER).write_text(json.dumps({"what": what}))
             if not in_place:
                 os.replace(work, path)
@@ -61,6 +70,60 @@ def _build_once(path: Path, build: Callable[[Path], None], what: str, in_place: 
             if not in_place:
                 shutil.rmtree(work, ignore_errors=True)
         return path
+
+
+# Files below this size are left alone: they are most of the files and little of the bytes.
+SHARE_MIN_BYTES = 256 * 1024
+
+
+def _finished_siblings(path: Path) -> list[Path]:
+    """The finished environments beside `path` (its own earlier build excluded), in a stable order."""
+    return sorted(p for p in path.parent.iterdir() if p.name != path.name and (p / _MARKER).is_file())
+
+
+def share_identical(tree: Path, siblings: list[Path], min_bytes: int = SHARE_MIN_BYTES) -> int:
+    """Hard-link each regular file of `tree` (at least `min_bytes`) to the first sibling's file at the same relative
+    path with the same bytes, mode and owner; returns the bytes now shared. Environments are never written after
+    they are finished (pip replaces files, it does not rewrite them), so a shared inode is never changed in place.
+    Another file system, or one without hard links, shares nothing and changes nothing."""
+    shared = 0
+    for dirpath, _dirs, files in os.walk(tree):
+        rel_dir = Path(dirpath).relative_to(tree)
+        for name in files:
+            mine = Path(dirpath) / name
+            try:
+                st = os.lstat(mine)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_size < min_bytes:
+                continue
+            for sibling in siblings:
+                theirs = sibling / rel_dir / name
+                try:
+                    ot = os.lstat(theirs)
+                except OSError:
+                    continue
+                if (ot.st_dev, ot.st_ino) == (st.st_dev, st.st_ino):
+                    break
+                same_meta = (ot.st_size, ot.st_mode, ot.st_uid, ot.st_dev) == (
+                    st.st_size,
+                    st.st_mode,
+                    st.st_uid,
+                    st.st_dev,
+                )
+                if not (stat.S_ISREG(ot.st_mode) and same_meta and filecmp.cmp(mine, theirs, shallow=False)):
+                    continue
+                tmp = mine.with_name(f".{name}.share")
+                try:
+                    os.link(theirs, tmp)
+                    os.replace(tmp, mine)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        tmp.unlink()
+                    break
+                shared += st.st_size
+                break
+    return shared
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,9 @@ class KVCacheFigures:
     # With a target: vLLM's own per-sequence reservation for target + drafter attention layers over its KV-cache
     # groups (kv_cache_utils), this build's layout and stock's (None: no --target).
     reserved_bytes: Mapping[str, int] | None = None
+    # With a hybrid (Gated DeltaNet) target: vLLM's own KV-cache groups of target + drafter (kv_groups_side), this
+    # build's and stock's count, the page and attention block size (None: no --target, or no linear layers).
+    groups: Mapping[str, Any] | None = None
 
     @property
     def per_sequence_bytes(self) -> dict[str, int]:
@@ -132,6 +135,34 @@ def target_layers(raw: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str]:
     return layers, note
 
 
+# The target config's Gated DeltaNet fields (Qwen3.5/3.6, Qwen3-Next) -> kv_groups_side's names.
+_GDN_FIELDS = {
+    "linear_num_key_heads": "num_k_heads",
+    "linear_num_value_heads": "num_v_heads",
+    "linear_key_head_dim": "head_k_dim",
+    "linear_value_head_dim": "head_v_dim",
+    "linear_conv_kernel_dim": "conv_kernel",
+}
+# CacheConfig's block alignment for attention on CUDA (FlashAttention's kernel block sizes): the hybrid alignment
+# rounds the attention block up to a multiple of it.
+KERNEL_BLOCK_ALIGNMENT = 16
+
+
+def target_gdn(raw: Mapping[str, Any]) -> dict[str, int] | None:
+    """The target's Gated DeltaNet layers (count and state shape), or None for a target without linear layers."""
+    text: Mapping[str, Any] = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+    count = list(text.get("layer_types") or []).count("linear_attention")
+    if not count:
+        return None
+    missing = [k for k in _GDN_FIELDS if not isinstance(text.get(k), int)]
+    if missing:
+        raise CheckpointError(
+            f"the target config has {count} linear_attention layers but no {', '.join(missing)}",
+            "--context groups the KV cache from them: pass the target's full config.json",
+        )
+    return {"count": count, **{ours: int(text[k]) for k, ours in _GDN_FIELDS.items()}}
+
+
 def _layer_rows(rows: Sequence[Mapping[str, Any]]) -> tuple[LayerKV, ...]:
     return tuple(LayerKV(i, str(r["spec"]), r.get("window"), int(r["bytes"])) for i, r in enumerate(rows))
 
@@ -183,6 +214,27 @@ def per_sequence(
         hint="the vLLM environment is broken: delete it under the cache's envs/ and retry",
     )
     out = json.loads(result.stdout.strip().splitlines()[-1])
+    gdn = target_gdn(target) if target is not None else None
+    groups = None
+    if gdn is not None:
+        gjob = {
+            "dtype": dtype,
+            "kernel_block_alignment": KERNEL_BLOCK_ALIGNMENT,
+            "num_speculative_tokens": k,
+            "target": {"attention": tlayers, "gdn": gdn},
+            "drafter": drafter,
+        }
+        gres = proc.call(
+            env.python,
+            "-m",
+            "vllm_dflash.doctor.kv_groups_side",
+            json.dumps(gjob),
+            env=env.environ(extra_pythonpath=(Path(repo_pythonpath(manifest)),), kv_cache_gib=None),
+            capture=True,
+            error=ConformanceError,
+            hint="the vLLM environment is broken: delete it under the cache's envs/ and retry",
+        )
+        groups = json.loads(gres.stdout.strip().splitlines()[-1])
     return KVCacheFigures(
         context=context,
         dtype=dtype,
@@ -195,6 +247,7 @@ def per_sequence(
         target_note=note,
         vllm_version=str(out.get("vllm_version", "")),
         reserved_bytes={k: int(v) for k, v in out["reserved"].items()} if out.get("reserved") else None,
+        groups=groups,
     )
 
 
@@ -232,6 +285,17 @@ def render_text(f: KVCacheFigures) -> str:
             f"  vLLM's own reservation per sequence for target + drafter attention (its KV-cache groups, "
             f"kv_cache_utils): this build {r[_THIS]:,} bytes ({_mib(r[_THIS])}), stock {r['stock']:,} bytes "
             f"({_mib(r['stock'])})"
+        )
+    if f.groups:
+        g = f.groups
+
+        def count(side: Mapping[str, Any]) -> str:
+            return str(side["count"]) if "count" in side else f"refused ({side.get('error')})"
+
+        out.append(
+            f"  KV-cache groups (vLLM {g.get('vllm_version')}'s get_kv_cache_groups, target + drafter): this build "
+            f"{count(g[_THIS])}, stock {count(g['stock'])}; attention blocks of {g['attention_block_size']} tokens, "
+            f"pages of {g['attention_page_size_bytes']:,} bytes"
         )
     return "\n".join(out)
 
