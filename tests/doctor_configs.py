@@ -113,10 +113,31 @@ def plausible_config(draw: st.DrawFn) -> dict[str, Any]:
         value = draw(strat)
         if value is not ABSENT:
             cfg[key] = value
+    # Issue 39's classes: a size field of another JSON type (transformers refuses it), a rope type of its own, a
+    # window only in a nested text_config.
+    odd_size = draw(_maybe(st.sampled_from(sorted(SIZES)), 8))
+    if odd_size is not ABSENT:
+        cfg[odd_size] = draw(st.sampled_from([str(SIZES[odd_size]), float(SIZES[odd_size]), None]))
+    rope = draw(_maybe(st.sampled_from(["default", "linear", "bogus_rope"]), 6))
+    if rope is not ABSENT:
+        cfg["rope_parameters"] = {
+            "rope_type": rope,
+            "rope_theta": 10000.0,
+            **({"factor": 2.0} if rope != "default" else {}),
+        }
+    if draw(st.integers(0, 9)) == 0:
+        cfg["text_config"] = {"model_type": "qwen3", "sliding_window": 8, "use_sliding_window": True}
     dflash: dict[str, Any] = {}
     for key, strat in {
-        "target_layer_ids": _maybe(st.lists(st.integers(0, 11), min_size=n, max_size=n, unique=True), 0),
-        "mask_token_id": _maybe(st.just(200), 0),
+        # ids in any order, duplicates and -1 included (vLLM records them in layer order, once each)
+        "target_layer_ids": _maybe(
+            st.one_of(
+                st.lists(st.integers(0, 11), min_size=n, max_size=n, unique=True).map(sorted),
+                st.lists(st.integers(-2, 11), min_size=n, max_size=n),
+            ),
+            0,
+        ),
+        "mask_token_id": _maybe(st.sampled_from([200, 200, 200, "200", 10**6]), 0),
         "use_swa": _maybe(st.booleans(), 3),
         "swa_window_size": _maybe(st.sampled_from([8, 1024]), 3),
         "causal": _maybe(st.booleans(), 3),
@@ -265,4 +286,19 @@ def input_classes(cfg: dict[str, Any]) -> set[str]:
     sinks = (dc.get("attention_sink_bias") if isinstance(dc, dict) else None, cfg.get("add_swa_attention_sink_bias"))
     if any(v is True or v == 1 for v in sinks):
         out.add("attention sinks on (true or 1)")
+    ids = dc.get("target_layer_ids") if isinstance(dc, dict) else cfg.get("target_layer_ids")
+    if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+        if ids != sorted(set(ids)):
+            out.add("target_layer_ids unsorted or duplicated")
+        if any(i < 0 for i in ids):
+            out.add("target_layer_ids negative")
+    mask = dc.get("mask_token_id") if isinstance(dc, dict) else cfg.get("mask_token_id")
+    if isinstance(mask, str) or (isinstance(mask, int) and mask >= int(cfg.get("vocab_size") or 0)):
+        out.add("mask token a string or outside the vocabulary")
+    if any(k in cfg and type(cfg[k]) is not type(v) for k, v in SIZES.items()):
+        out.add("size field odd-typed")
+    if "rope_parameters" in cfg:
+        out.add(f"rope type {cfg['rope_parameters'].get('rope_type')}")
+    if "text_config" in cfg:
+        out.add("window only in a nested text_config")
     return out

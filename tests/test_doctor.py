@@ -775,3 +775,155 @@ def test_drafter_kv_groups_do_not_fragment_a_hybrid_target(tmp_path: Path) -> No
     main(["--root", str(REPO), *args])
     g = json.loads(out.read_text())["kv_cache"]["groups"]
     assert g["this_build"]["count"] <= g["stock"]["count"] + 2, g["this_build"]["count"]
+
+
+# ---- issue 39: classes the rules misread ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("hidden_size", "5120"),
+        ("num_attention_heads", 32.0),
+        ("vocab_size", None),
+        ("rms_norm_eps", 1),
+        ("head_dim", "128"),
+    ],
+)
+def test_an_odd_typed_size_field_is_refused_as_transformers_refuses_it(
+    name: str, value: Any, code: ours.OurCode
+) -> None:
+    """transformers 5.15.0 and 5.25.0 (both side environments) raise StrictDataclassFieldValidationError on
+    Qwen3Config(**{name: value}) for each of these: every vLLM build refuses the published file so edited."""
+    cfg = published_q36()
+    cfg[name] = value
+    d = diag(cfg, code)
+    assert d.exit_code == 21 and f"transformers refuses {name} = {json.dumps(value)}" in d.verdict
+    assert diag(published_q36(), code).exit_code == 20  # the control: the same file as published
+
+
+def _speculators_sliding(non_causal: Any) -> dict[str, Any]:
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "speculators_config": {"algorithm": "dflash"},
+        "aux_hidden_state_layer_ids": [2, 10],
+        "mask_token_id": 7,
+        "sliding_window_non_causal": non_causal,
+        "transformer_layer_config": {
+            "model_type": "qwen3",
+            "num_hidden_layers": 2,
+            "num_target_layers": 12,
+            "layer_types": [S, F],
+            "use_sliding_window": True,
+            "sliding_window": 64,
+        },
+    }
+
+
+def test_speculators_non_causal_sliding_window_is_what_this_build_misreads(code: ours.OurCode) -> None:
+    """vLLM 0.33.0's update_dflash sets dflash_config.causal = not sliding_window_non_causal. This build does not read
+    the field and runs a declared sliding layer causal: `true` (trained non-causal) is the value it mis-serves,
+    `false` the one it agrees with (before issue 39 the rule was the other way round)."""
+    d = diag(_speculators_sliding(True), code)
+    assert d.exit_code == 22 and "sliding_window_non_causal" in d.verdict
+    assert [c for _, _, c in mine(d)] == [True, False]  # what this build runs instead: a causal sliding layer
+    upstream = [r.causal for r in d.rows if r.build == "upstream 0.33"]
+    assert upstream == [False, False]  # what the checkpoint asks for (0.33.0's reading)
+    d = diag(_speculators_sliding(False), code)
+    assert d.exit_code == 20 and any("sliding_window_non_causal" in x for x in d.ignored)
+
+
+@pytest.mark.parametrize(
+    ("ids", "fed"),
+    [([61, 46, 31, 16, 1], "1, 16, 31, 46, 61 (5 taps)"), ([1, 16, 16, 46, 61], "1, 16, 46, 61 (4 taps)")],
+)
+def test_unsorted_or_duplicated_ids_are_not_fed_in_the_listed_order(
+    ids: list[int], fed: str, code: ours.OurCode
+) -> None:
+    """vLLM 0.20.1's EagleModelMixin._maybe_add_hidden_state records `layer_idx in aux_hidden_state_layers` layer by
+    layer: in layer order, once each; the reference concatenates target_layer_ids in the listed order."""
+    cfg = published_q36()
+    cfg["dflash_config"]["target_layer_ids"] = ids
+    d = diag(cfg, code)
+    assert d.exit_code == 22 and f"outputs of target layers {fed}" in d.verdict, d.verdict
+    assert diag(published_q36(), code).exit_code == 20  # ascending, each once: the control
+
+
+def test_float_ids_are_worded_as_the_layers_vllm_taps(code: ours.OurCode) -> None:
+    """`2.0 in (2,)` is True in Python: vLLM taps layer 2 for an id 2.0, so the words name the ints it matches."""
+    cfg = published_q36()
+    cfg["dflash_config"]["target_layer_ids"] = [1.0, 16.0, 31.0, 46.0, 61.0]
+    d = diag(cfg, code)
+    assert "outputs of target layers 0, 15, 30, 45, 60 instead of 1, 16, 31, 46, 61" in d.verdict, d.verdict
+
+
+def test_negative_ids_say_what_each_build_records(code: ours.OurCode) -> None:
+    """Id -1 is the embeddings for the reference (dflash 0.1.0 extract_context_feature: hidden_states[-1 + 1]) and
+    for this build (aux 0, the input of layer 0); stock's aux -1 is never recorded (`layer_idx in ...`). Id -2 is the
+    reference's last hidden state (hidden_states[-1]) but no layer vLLM records: not runnable."""
+    cfg = published_q36()
+    cfg["dflash_config"]["target_layer_ids"] = [-1, 16, 31, 46, 61]
+    d = diag(cfg, code)
+    assert d.exit_code == 20 and "-2" not in d.verdict, d.verdict
+    assert "target layers 15, 30, 45, 60 instead of -1 (the embeddings), 16" in d.verdict
+    assert "1 tap never recorded: the fc gets 4 of 5" in d.verdict
+    cfg["dflash_config"]["target_layer_ids"] = [-2, 16, 31, 46, 61]
+    d = diag(cfg, code)
+    assert d.exit_code == 22 and "(4 taps) where it was trained on" in d.verdict, d.verdict
+
+
+@pytest.mark.parametrize("mask", [248320, 999999, "248070", -1])
+def test_a_mask_token_outside_the_vocabulary_or_a_string_is_named(mask: Any, code: ours.OurCode) -> None:
+    """The proposer fills the masked slots with dflash_config.mask_token_id as written (a rule, named as one)."""
+    cfg = published_q36()
+    cfg["dflash_config"]["mask_token_id"] = mask
+    d = diag(cfg, code)
+    assert d.exit_code == 22 and f"mask_token_id {mask!r} is no token" in d.verdict and "rule read from" in d.verdict
+    cfg["dflash_config"]["mask_token_id"] = 248319  # the last token: the control
+    assert diag(cfg, code).exit_code == 20
+
+
+def test_the_last_layer_note_needs_no_target(code: ours.OurCode) -> None:
+    """Without --target the drafter's own num_target_layers names the last layer; the note is kept."""
+    cfg = published_q36()
+    cfg["dflash_config"]["target_layer_ids"] = [1, 16, 31, 46, 63]
+    assert any("last target layer (63" in p for p in diag(cfg, code).taps.problems)
+    assert "last target layer" in D.render_text(diag(cfg, code))
+    assert not any("last target layer" in p for p in diag(published_q36(), code).taps.problems)  # the control
+
+
+def test_context_takes_the_serve_arguments() -> None:
+    from vllm_dflash.doctor import kvcache
+
+    assert kvcache.serve_shape(["--max-model-len", "16384", "--max-num-batched-tokens", "32768"], "x") == {
+        "max_num_batched_tokens": 32768
+    }
+    assert kvcache.serve_shape(["--block-size=32", "--gpu-memory-utilization", "0.9"], "x") == {"block_size": 32}
+    with pytest.raises(CheckpointError, match="--max-num-batched-tokens 'lots' is no positive number"):
+        kvcache.serve_shape(["--max-num-batched-tokens", "lots"], "x")
+
+
+@pytest.mark.heavy
+def test_context_with_the_profiles_serve_arguments(tmp_path: Path) -> None:
+    """At 16K context the qwen3.6-27b profile's 32,768-token prefill chunk makes each sliding layer reserve its window
+    plus one chunk (capped at the context): more than a full layer, so this build keeps no less than stock."""
+    ck = REPO / "vllm_dflash" / "doctor" / "checkpoints" / "z-lab--Qwen3.6-27B-DFlash.json"
+    figures = {}
+    for extra in ([], ["--profile", "qwen3.6-27b"]):
+        out = tmp_path / f"d{len(extra)}.json"
+        args = ["doctor", str(ck), "--context", "16384", "--json", str(out), *extra]
+        run = subprocess.run(
+            [sys.executable, "-m", "vllm_dflash", "--root", str(REPO), *args],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert run.returncode == 20, run.stderr[-2000:]
+        figures[len(extra)] = json.loads(out.read_text())["kv_cache"]["per_sequence_bytes"]
+    page = 16 * 8 * 128 * 2 * 2
+    full = 16384 // 16 * page
+    assert figures[0]["this_build"] < figures[0]["stock"]  # the control: the default 2,048-token chunk
+    assert figures[2]["this_build"] > figures[2]["stock"] == 5 * full
+    # window + chunk exceeds the context: SlidingWindowSpec caps a layer at max_model_len, plus one block
+    assert figures[2]["this_build"] == full + 4 * (min(2048 + 15 - 1 + 32768, 16384) // 16 + 1) * page

@@ -58,6 +58,20 @@ def register(sub: Any) -> None:
         help="also size the drafter's KV cache per sequence at N tokens (this build vs stock; the target's too with "
         "--target), with vLLM's own KV-cache specs in this build's CPU environment",
     )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --context: the prefill chunk your `vllm serve` uses (a sliding layer keeps its window plus one)",
+    )
+    p.add_argument("--block-size", type=int, default=None, metavar="N", help="with --context: your KV block size")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="NAME",
+        help="with --context: take the serve arguments of this dist.toml profile",
+    )
     p.set_defaults(func=run)
 
 
@@ -114,8 +128,17 @@ def _kv_cache(args: argparse.Namespace, ck: Any, d: D.Diagnosis) -> Any:
         path = args.target if args.target.is_file() else resolve_dir(args.target) / "config.json"
         target = read_json(path, "target")
     co = checkout(args)
+    serve: dict[str, int] = {}
+    if args.profile is not None:
+        if args.profile not in co.manifest.profiles:
+            known = ", ".join(sorted(co.manifest.profiles))
+            raise CheckpointError(f"--profile {args.profile}: no such profile in dist.toml", f"pass one of {known}")
+        serve = kvcache.serve_shape(co.manifest.profiles[args.profile].serve_args, f"profile {args.profile}")
+    given = [f"--max-num-batched-tokens={args.max_num_batched_tokens}"] if args.max_num_batched_tokens else []
+    given += [f"--block-size={args.block_size}"] if args.block_size else []
+    serve.update(kvcache.serve_shape(given, "the command line"))  # what the command line says wins
     sys.stdout.flush()
-    figures = kvcache.per_sequence(co.manifest, co.queues, ck, d, args.context, target)
+    figures = kvcache.per_sequence(co.manifest, co.queues, ck, d, args.context, target, serve)
     print()
     print(kvcache.render_text(figures))
     return figures

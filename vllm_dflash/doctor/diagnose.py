@@ -210,7 +210,47 @@ def _positions(a: list[Any] | None, b: list[Any] | None) -> list[int]:
 def _outputs(aux: list[Any] | None) -> list[Any] | None:
     if aux is None:
         return None
-    return [i - 1 if isinstance(i, int) and not isinstance(i, bool) else i for i in aux]
+    # vLLM matches `layer_idx in aux`, so an integral float id taps that layer: word it as the int it matches.
+    return [int(i) - 1 if isinstance(i, float) and i.is_integer() else i - 1 if _is_int(i) else i for i in aux]
+
+
+SRC_MASK = "vllm 0.20.1 vllm/v1/spec_decode/llm_base_proposer.py _init_parallel_drafting_params"
+
+
+def _mask_token(ours: rules.Reading) -> list[str]:
+    """The proposer fills every masked slot with dflash_config.mask_token_id as it is, and the drafter embeds it: a
+    string or an id outside the drafter's vocabulary is no token it can embed (a rule read from the code, not run)."""
+    dflash = ours.loaded.get("dflash_config") if ours.loaded.attrs else None
+    if not isinstance(dflash, Mapping) or "mask_token_id" not in dflash:
+        return []
+    mask, vocab = dflash["mask_token_id"], ours.loaded.get("vocab_size")
+    if _is_int(mask) and (not _is_int(vocab) or 0 <= mask < vocab):
+        return []
+    return [
+        f"mask_token_id {mask!r} is no token of the drafter's vocabulary (vocab_size {vocab!r}): the proposer fills "
+        f"the masked slots with it as written [rule read from {SRC_MASK}, not run]: fix dflash_config.mask_token_id"
+    ]
+
+
+def _layers(outputs: list[Any]) -> str:
+    """Output-of-layer ids in words: -1 is the input of layer 0, the embeddings."""
+    return ", ".join("-1 (the embeddings)" if i == -1 else str(i) for i in outputs)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+SRC_RECORDED = "vllm 0.20.1 vllm/model_executor/models/interfaces.py EagleModelMixin._maybe_add_hidden_state"
+
+
+def recorded(aux: list[Any], target_layers: int | None) -> list[int] | None:
+    """The aux indices the target's forward records, in its order: `layer_idx in aux_hidden_state_layers` for each
+    layer in turn (SRC_RECORDED): layer order, once each, never a negative index. None when an id is no number."""
+    if not all(isinstance(i, (int, float)) and not isinstance(i, bool) for i in aux):
+        return None
+    top = target_layers if target_layers is not None else int(max(aux, default=-1)) + 1
+    return [k for k in range(max(0, top)) if k in aux]
 
 
 def _span(items: list[int]) -> str:
@@ -238,6 +278,16 @@ def _taps(
                 f"a read of the last target layer ({target_layers - 1}): vLLM takes it before the final norm, the "
                 "reference after it"
             )
+    aux = readings[OURS].taps
+    got = recorded(list(aux), target_layers) if aux else None
+    if aux and got is not None and got != list(aux) and not any("outside" in p for p in problems):
+        problems.append(
+            f"recorded: the target records its taps in layer order, once each, never a negative index "
+            f"({SRC_RECORDED}, read from the code): this build feeds the drafter's fc the outputs of target layers "
+            f"{_span(_outputs(list(got)) or [])} ({len(got)} taps) where it was trained on "
+            f"{_span(_outputs(list(aux)) or [])} in that order ({len(aux)} taps) -- list target_layer_ids ascending, "
+            "each once, each 0 or more"
+        )
     layer = raw.get("transformer_layer_config") if "speculators_model_type" in raw else raw
     n_target = layer.get("num_target_layers") if isinstance(layer, Mapping) else None
     if target_layers is None and isinstance(n_target, int) and not isinstance(n_target, bool) and ids is not None:
@@ -246,6 +296,11 @@ def _taps(
             problems.append(
                 f"note: target_layer_ids {bad} lie beyond the drafter's own num_target_layers {n_target} (pass "
                 "--target to check against the target you serve)"
+            )
+        elif n_target - 1 in ids:
+            problems.append(
+                f"a read of the last target layer ({n_target - 1}, from the drafter's own num_target_layers): vLLM "
+                "takes it before the final norm, the reference after it"
             )
     return Taps(
         ids,
@@ -263,9 +318,17 @@ def _taps(
 def _stock_words(ours: rules.Reading, stock: rules.Reading, taps: Taps, wrong: dict[str, list[int]]) -> list[str]:
     out = []
     if "taps" in wrong and taps.ours_aux is not None and taps.stock_aux is not None:
+        # What stock's target records (an aux index -1 never is), not the list it was given.
+        fed = recorded(list(taps.stock_aux), taps.target_layers) or list(taps.stock_aux)
+        lost = len(taps.stock_aux) - len(fed)
         out.append(
-            f"stock vLLM 0.20.1 feeds the drafter the outputs of target layers {_span(_outputs(taps.stock_aux) or [])}"
-            f" instead of {_span(_outputs(taps.ours_aux) or [])} (one layer too early each)"
+            f"stock vLLM 0.20.1 feeds the drafter the outputs of target layers {_layers(_outputs(fed) or [])}"
+            f" instead of {_layers(_outputs(taps.ours_aux) or [])} (one layer too early each"
+            + (
+                f"; {lost} tap{'s' * (lost > 1)} never recorded: the fc gets {len(fed)} of {len(taps.stock_aux)})"
+                if lost
+                else ")"
+            )
         )
     assert ours.layers is not None and stock.layers is not None
     if "windows" in wrong:
@@ -318,6 +381,7 @@ def diagnose(
             f"target {'/'.join(target_architectures)} records no auxiliary hidden states in vLLM 0.20.1 "
             f"(no SupportsEagle3) [{rules.SRC_AUX_TARGETS}]: a vLLM release whose model implements it (not checked)"
         )
+    blocking += _mask_token(ours)
     kind = drafter_kind(raw)
     layer = raw.get("transformer_layer_config") if ck.speculators else raw
     dflash = (layer.get("dflash_config") if isinstance(layer, Mapping) else None) or {}
@@ -341,6 +405,10 @@ def diagnose(
         klass = MISFIT
         verdict = f"{MISFIT}: " + next(p for p in taps.problems if "outside" in p)
         advice.append("pair the drafter with the target it was trained for (--target), or fix target_layer_ids")
+    elif any(p.startswith("recorded: ") for p in taps.problems):
+        klass = NOT_RUNNABLE
+        verdict = f"{NOT_RUNNABLE}: " + next(p for p in taps.problems if p.startswith("recorded: "))[10:]
+        advice.append("fix target_layer_ids as the line says (the fc's inputs follow the recorded order)")
     elif ours.refusal is not None and ours.refusal.stage == "class":
         up_model = up.model if up.refusal is None else ""
         where = f"{UPSTREAM_NAME} serves it ({up_model}, {runner})" if up_model else "no vLLM release we know"

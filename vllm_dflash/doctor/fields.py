@@ -84,7 +84,9 @@ FEATURES_TOP: dict[str, Feature] = {
     "final_logit_softcapping": Feature("logit soft-capping", REF, _positive),
     # speculators format (top level of the speculators config)
     "sample_from_anchor": Feature("drafting from the anchor position", V033_SPECULATORS, _truthy),
-    "sliding_window_non_causal": Feature("causal sliding-window layers", V033_SPECULATORS, _falsy_present),
+    # update_dflash writes dflash_config.causal = not sliding_window_non_causal: true trains non-causal sliding
+    # layers, which this build (causal for a declared sliding layer, the field unread) runs causal; false agrees.
+    "sliding_window_non_causal": Feature("non-causal sliding-window layers", V033_SPECULATORS, _truthy),
 }
 # Weights and files this build never loads, by name.
 FEATURE_FILES: dict[str, Feature] = {

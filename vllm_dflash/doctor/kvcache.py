@@ -174,6 +174,7 @@ def per_sequence(
     d: Diagnosis,
     context: int,
     target: Mapping[str, Any] | None = None,
+    serve: Mapping[str, int] | None = None,
 ) -> KVCacheFigures:
     """This build's and stock's drafter KV cache per sequence at `context` tokens (and the target's attention KV
     cache), from vLLM's spec classes in this build's CPU environment (built once, cached like conformance's)."""
@@ -184,14 +185,16 @@ def per_sequence(
 
     if context <= 0:
         raise CheckpointError(f"--context {context}: not a number of tokens", "pass a positive context length")
+    chunk = int((serve or {}).get("max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS))
+    kv_block = int((serve or {}).get("block_size", BLOCK_SIZE))
     drafter = drafter_layers(ck, d)
     k = (d.block_size or DEFAULT_DFLASH_BLOCK) - 1
     tlayers, note = target_layers(target) if target is not None else ([], "")
     dtype = _dtype(ck.config)
     job = {
         "context": context,
-        "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-        "block_size": BLOCK_SIZE,
+        "max_num_batched_tokens": chunk,
+        "block_size": kv_block,
         "dtype": dtype,
         "num_speculative_tokens": k,
         "drafter": drafter,
@@ -235,8 +238,8 @@ def per_sequence(
     return KVCacheFigures(
         context=context,
         dtype=dtype,
-        block_size=BLOCK_SIZE,
-        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        block_size=kv_block,
+        max_num_batched_tokens=chunk,
         num_speculative_tokens=k,
         this_build=_layer_rows(out["this_build"]),
         stock=_layer_rows(out["stock"]),
@@ -295,3 +298,22 @@ def render_text(f: KVCacheFigures) -> str:
             f"pages of {g['attention_page_size_bytes']:,} bytes"
         )
     return "\n".join(out)
+
+
+# The `vllm serve` arguments that size the KV cache per sequence, as --context takes them.
+SERVE_SIZING = {"--max-num-batched-tokens": "max_num_batched_tokens", "--block-size": "block_size"}
+
+
+def serve_shape(args: Sequence[str], where: str) -> dict[str, int]:
+    """The sizing arguments of a `vllm serve` command line (`--name value` or `--name=value`); others are skipped."""
+    out: dict[str, int] = {}
+    items = list(args)
+    for i, item in enumerate(items):
+        name, eq, value = item.partition("=")
+        if name not in SERVE_SIZING:
+            continue
+        text = value if eq else (items[i + 1] if i + 1 < len(items) else "")
+        if not text.isdigit() or int(text) <= 0:
+            raise CheckpointError(f"{where}: {name} {text!r} is no positive number", f"give {name} a token count")
+        out[SERVE_SIZING[name]] = int(text)
+    return out

@@ -89,6 +89,23 @@ QWEN3_FIELDS: dict[str, tuple[tuple[str, ...], Any]] = {
     "layer_types": ((_LIST_STR, _NONE), None),
 }
 LLAMA_FIELDS: dict[str, tuple[tuple[str, ...], Any]] = {**_BASE, "num_hidden_layers": ((_INT,), 32)}
+# The size fields, checked only when config.json sets them (their defaults are no reading of ours). Measured with
+# Qwen3Config(**{name: value}) / LlamaConfig(...) under transformers 5.15.0 and 5.25.0: a string, a float for an
+# int, an int for rms_norm_eps and a null head_dim (Qwen3) are all refused (StrictDataclassFieldValidationError).
+_FLOAT = "float"
+_SIZES: dict[str, tuple[str, ...]] = {
+    "hidden_size": (_INT,),
+    "intermediate_size": (_INT,),
+    "num_attention_heads": (_INT,),
+    "num_key_value_heads": (_INT, _NONE),
+    "vocab_size": (_INT,),
+    "max_position_embeddings": (_INT,),
+    "rms_norm_eps": (_FLOAT,),
+}
+SIZE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "Qwen3Config": {**_SIZES, "head_dim": (_INT,)},
+    "LlamaConfig": {**_SIZES, "head_dim": (_INT, _NONE)},
+}
 CONFIG_CLASSES = {"qwen3": ("Qwen3Config", QWEN3_FIELDS), "llama": ("LlamaConfig", LLAMA_FIELDS)}
 MODEL_CLASSES = {"qwen3": "Qwen3Model", "llama": "LlamaModel"}  # transformers MODEL_MAPPING_NAMES
 MISSING = object()  # an attribute the loaded config does not have
@@ -132,9 +149,15 @@ def _check(name: str, value: Any, accepted: tuple[str, ...]) -> str:
     )
 
 
-def _transformers(raw: Mapping[str, Any], fields: Mapping[str, tuple[tuple[str, ...], Any]], family: str) -> Loaded:
+def _transformers(
+    raw: Mapping[str, Any], fields: Mapping[str, tuple[tuple[str, ...], Any]], family: str, cls: str = "Qwen3Config"
+) -> Loaded:
     """A transformers config class built from config.json (Qwen3Config's __post_init__ when it has its fields)."""
     attrs: dict[str, Any] = dict(raw)
+    for name, accepted in SIZE_FIELDS[cls].items():
+        problem = _check(name, raw[name], accepted) if name in raw else ""
+        if problem:
+            return Loaded(error=problem)
     for name, (accepted, default) in fields.items():
         if name in raw:
             if name == "architectures" and family == VLLM:
@@ -276,7 +299,7 @@ def loaded(raw: Mapping[str, Any], loader: str, build: str = STOCK) -> Loaded:
     if mt not in CONFIG_CLASSES:
         return Loaded(error=f"model_type {json.dumps(mt)}: not a DFlash drafter's (qwen3; llama also loads)")
     name, fields = CONFIG_CLASSES[mt]
-    got = _transformers(raw, fields, VLLM)
+    got = _transformers(raw, fields, VLLM, name)
     if got.error:
         return Loaded(error=got.error, config_class=name)
     attrs = dict(got.attrs)

@@ -427,8 +427,28 @@ def reference(raw: Mapping[str, Any]) -> Reading:
     return Reading(REFERENCE, tuple(layers), None, ids, SRC_REFERENCE_IDS, got, model=cls)
 
 
+# transformers 5.15.0 modeling_rope_utils.ROPE_INIT_FUNCTIONS (read in the reference environment), plus "default",
+# which the rotary class computes itself. A rope_type outside them only warns at config load ("Missing validation
+# function"), then the drafter's rotary embedding raises KeyError when the model is built: a rule, measured.
+SRC_REFERENCE_ROPE = "transformers 5.15.0 models/qwen3/modeling_qwen3.py Qwen3RotaryEmbedding (ROPE_INIT_FUNCTIONS)"
+REFERENCE_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "longrope", "proportional", "yarn")
+
+
+def _rope_type(got: L.Loaded) -> Any:
+    """The rope type the loaded config carries: rope_parameters, else the legacy rope_scaling (transformers 5 moves
+    one into the other), rope_type before the older key type."""
+    for name in ("rope_parameters", "rope_scaling"):
+        rope = got.get(name)
+        if isinstance(rope, Mapping):
+            return rope.get("rope_type", rope.get("type", "default"))
+    return "default"
+
+
 def _reference_ids(got: L.Loaded, cls: str) -> Any:
     """DFlashDraftModel.__init__'s reads after the layers, in its order (errors as it raises them)."""
+    rope = _rope_type(got)
+    if rope not in REFERENCE_ROPE_TYPES:
+        raise ValueError(f"rope type {rope!r} is none transformers knows (rule: {SRC_REFERENCE_ROPE})")
     if not got.has("num_target_layers"):
         raise AttributeError("'Qwen3Config' object has no attribute 'num_target_layers'")
     default = build_target_layer_ids(got.get("num_target_layers"), got.get("num_hidden_layers"))
