@@ -55,6 +55,9 @@ vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="tiny"} ACCEPTE
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"} POS0
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="1"} POS1
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="2"} POS2
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="tiny"} 400.0
 """
 
 
