@@ -464,3 +464,25 @@ def test_a_wheel_without_our_provenance_is_not_published(
     index = tmp_path / "index"
     line = refused(capsys, ["--root", str(root), "publish", str(wheel), "--to", str(index), "--report", str(report)])
     assert "carries no vllm/dflash_build.json: it is no build of ours" in line and not index.exists(), line
+
+
+@pytest.mark.parametrize(("kind", "binding"), [("wheel", "image"), ("image", "installed"), ("image", "image")])
+def test_binding_and_kind_must_fit_the_artifact(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, binding: str
+) -> None:
+    """A wheel's report claiming an image (its kind or its binding) is refused: it measured something else."""
+    wheel = make_wheel(tmp_path / "w")
+    sha = sha256_file(wheel)
+    artifact = {"kind": kind, "name": wheel.name, "sha256": sha, "binding": binding}
+    report = make_report(root, sha, tmp_path / "r.json", server={"mode": "subprocess", "artifact": artifact})
+    line = refused(
+        capsys, ["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "i"), "--report", str(report)]
+    )
+    assert f"has artifact kind '{kind}' and binding '{binding}', which do not fit the wheel" in line, line
+    good = make_report(
+        root,
+        sha,
+        tmp_path / "g.json",
+        server={"mode": "subprocess", "artifact": {**artifact, "kind": "wheel", "binding": "installed"}},
+    )
+    assert main(["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "i"), "--report", str(good)]) == 0
