@@ -216,6 +216,13 @@ def test_hmac_key_required_when_set(
         capsys, ["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "j"), "--report", str(keyed)]
     )
     assert "HMAC does not verify" in line
+    monkeypatch.delenv(REPORT_KEY_ENV)  # the keyed report without its key: refused, not read as keyless
+    line = refused(
+        capsys, ["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "j"), "--report", str(keyed)]
+    )
+    assert "sealed with a key (HMAC)" in line and "is not set" in line
+    assert main(["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "m"), "--report", str(report)]) == 0
+    assert "keyless seal (catches accidents, not forgery)" in capsys.readouterr().out
 
 
 def test_publish_to_local_index_then_pip_installs(root: Path, tmp_path: Path) -> None:

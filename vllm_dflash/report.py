@@ -54,6 +54,8 @@ def seal_problem(report: Mapping[str, Any], key: bytes | None = None) -> str | N
     blob = canonical_json({k: v for k, v in report.items() if k != "seal"})
     if not hmac.compare_digest(str(found["sha256"]), hashlib.sha256(blob).hexdigest()):
         return "its content does not match its seal (edited after validation)"
+    if not key and "hmac_sha256" in found:
+        return f"it is sealed with a key (HMAC) and {KEY_ENV} is not set: set the key it was sealed with"
     if key:
         mac = found.get("hmac_sha256")
         if not isinstance(mac, str):
@@ -61,6 +63,13 @@ def seal_problem(report: Mapping[str, Any], key: bytes | None = None) -> str | N
         if not hmac.compare_digest(mac, hmac.new(key, blob, hashlib.sha256).hexdigest()):
             return f"its HMAC does not verify with {KEY_ENV}"
     return None
+
+
+def seal_kind(report: Mapping[str, Any]) -> str:
+    """Which seal a verified report carries: `keyed` (an HMAC only key holders can make) or `keyless` (a sha256
+    anyone can recompute: it catches accidents, an edited or truncated file, not a forgery)."""
+    found = report.get("seal")
+    return "keyed" if isinstance(found, Mapping) and "hmac_sha256" in found else "keyless"
 
 
 def _no_constant(name: str) -> Any:
