@@ -493,3 +493,37 @@ def test_binding_and_kind_must_fit_the_artifact(
         server={"mode": "subprocess", "artifact": {**artifact, "kind": "wheel", "binding": "installed"}},
     )
     assert main(["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "i"), "--report", str(good)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("over", "want"),
+    [
+        ({"profile_k": 10**12}, "above 1024"),
+        ({"generated": 0.0}, "relation accepted <= generated + k x requests broken"),
+        ({"hits": 5.0}, "relation prefix hits <= queries broken"),
+        ({"throughput": {"output_tokens": -1, "wall_s": 1.0, "tokens_per_s": 1.0}}, "output_tokens = -1"),
+        ({"throughput": {"output_tokens": 1, "wall_s": 2.0**70, "tokens_per_s": 1.0}}, "throughput.wall_s"),
+    ],
+)
+def test_impossible_reports_are_refused_in_one_line(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], over: dict[str, Any], want: str
+) -> None:
+    """Re-sealed with our own seal, each breaks one rule of the report document: publish refuses it (exit 12)."""
+    wheel = make_wheel(tmp_path / "w")
+    path = make_report(root, sha256_file(wheel), tmp_path / "r.json")
+    data = json.loads(path.read_text())
+    c = data["counters"]
+    if "profile_k" in over:
+        data["profile"]["num_speculative_tokens"] = over["profile_k"]
+    elif "generated" in over:
+        c["after"]["generation_tokens"] = c["delta"]["generation_tokens"] = over["generated"]
+    elif "hits" in over:
+        c["after"]["prefix_cache_hits"] = c["delta"]["prefix_cache_hits"] = over["hits"]
+    else:
+        data.update(over)
+    write(seal(data, key_from_env()), path, key_from_env())
+    line = refused(
+        capsys, ["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "i"), "--report", str(path)]
+    )
+    assert want in line and "Traceback" not in line, line
+    print(line)
