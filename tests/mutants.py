@@ -69,8 +69,8 @@ MUTANTS: list[tuple[str, str, str]] = [
     (R, '        problem = count_value_problem(f"{where}.{PER_POSITION}[{label}]", value)', "        problem = None"),
     (
         R,
-        '        if a < b:\n            return f"its counter {name}',
-        '        if False:\n            return f"its counter {name}',
+        '        if a < b:\n            return f"{_DOWN} {name}',
+        '        if False:\n            return f"{_DOWN} {name}',
     ),
     (R, "        if a - b != d:", "        if False:"),
     (R, "    if set(delta.per_position) != positions:", "    if False:"),

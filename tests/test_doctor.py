@@ -6,6 +6,7 @@ the code they describe by tests/test_doctor_differential.py."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -927,3 +928,25 @@ def test_context_with_the_profiles_serve_arguments(tmp_path: Path) -> None:
     assert figures[2]["this_build"] > figures[2]["stock"] == 5 * full
     # window + chunk exceeds the context: SlidingWindowSpec caps a layer at max_model_len, plus one block
     assert figures[2]["this_build"] == full + 4 * (min(2048 + 15 - 1 + 32768, 16384) // 16 + 1) * page
+
+
+@pytest.mark.parametrize("case", ["refs-not-utf8", "refs-huge", "fifo-weights"])
+def test_hostile_cache_files_are_one_line_exit_18(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    """refs/main is read bounded and typed; a FIFO named *.safetensors is refused before it is opened (no hang)."""
+    repo = tmp_path / "hub" / "models--z-lab--Qwen3.6-27B-DFlash"
+    snap = write_dir(repo / "snapshots" / "abc123", q36())
+    (repo / "refs").mkdir()
+    ref = repo / "refs" / "main"
+    if case == "refs-not-utf8":
+        ref.write_bytes(b"\xff\xfe\x00abc")
+    elif case == "refs-huge":
+        ref.write_bytes(b"a" * 4096)
+    else:
+        ref.write_text("abc123\n")
+        os.mkfifo(snap / "model.safetensors")
+    assert main(["--root", str(REPO), "doctor", str(repo)]) == 18
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err
+    print(err[0])

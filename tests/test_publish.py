@@ -55,6 +55,9 @@ vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="tiny"} ACCEPTE
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"} POS0
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="1"} POS1
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="2"} POS2
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="tiny"} 400.0
 """
 
 
@@ -213,6 +216,13 @@ def test_hmac_key_required_when_set(
         capsys, ["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "j"), "--report", str(keyed)]
     )
     assert "HMAC does not verify" in line
+    monkeypatch.delenv(REPORT_KEY_ENV)  # the keyed report without its key: refused, not read as keyless
+    line = refused(
+        capsys, ["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "j"), "--report", str(keyed)]
+    )
+    assert "sealed with a key (HMAC)" in line and "is not set" in line
+    assert main(["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "m"), "--report", str(report)]) == 0
+    assert "keyless seal (catches accidents, not forgery)" in capsys.readouterr().out
 
 
 def test_publish_to_local_index_then_pip_installs(root: Path, tmp_path: Path) -> None:
@@ -461,3 +471,59 @@ def test_a_wheel_without_our_provenance_is_not_published(
     index = tmp_path / "index"
     line = refused(capsys, ["--root", str(root), "publish", str(wheel), "--to", str(index), "--report", str(report)])
     assert "carries no vllm/dflash_build.json: it is no build of ours" in line and not index.exists(), line
+
+
+@pytest.mark.parametrize(("kind", "binding"), [("wheel", "image"), ("image", "installed"), ("image", "image")])
+def test_binding_and_kind_must_fit_the_artifact(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, binding: str
+) -> None:
+    """A wheel's report claiming an image (its kind or its binding) is refused: it measured something else."""
+    wheel = make_wheel(tmp_path / "w")
+    sha = sha256_file(wheel)
+    artifact = {"kind": kind, "name": wheel.name, "sha256": sha, "binding": binding}
+    report = make_report(root, sha, tmp_path / "r.json", server={"mode": "subprocess", "artifact": artifact})
+    line = refused(
+        capsys, ["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "i"), "--report", str(report)]
+    )
+    assert f"has artifact kind '{kind}' and binding '{binding}', which do not fit the wheel" in line, line
+    good = make_report(
+        root,
+        sha,
+        tmp_path / "g.json",
+        server={"mode": "subprocess", "artifact": {**artifact, "kind": "wheel", "binding": "installed"}},
+    )
+    assert main(["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "i"), "--report", str(good)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("over", "want"),
+    [
+        ({"profile_k": 10**12}, "above 1024"),
+        ({"generated": 0.0}, "relation accepted <= generated + k x requests broken"),
+        ({"hits": 5.0}, "relation prefix hits <= queries broken"),
+        ({"throughput": {"output_tokens": -1, "wall_s": 1.0, "tokens_per_s": 1.0}}, "output_tokens = -1"),
+        ({"throughput": {"output_tokens": 1, "wall_s": 2.0**70, "tokens_per_s": 1.0}}, "throughput.wall_s"),
+    ],
+)
+def test_impossible_reports_are_refused_in_one_line(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], over: dict[str, Any], want: str
+) -> None:
+    """Re-sealed with our own seal, each breaks one rule of the report document: publish refuses it (exit 12)."""
+    wheel = make_wheel(tmp_path / "w")
+    path = make_report(root, sha256_file(wheel), tmp_path / "r.json")
+    data = json.loads(path.read_text())
+    c = data["counters"]
+    if "profile_k" in over:
+        data["profile"]["num_speculative_tokens"] = over["profile_k"]
+    elif "generated" in over:
+        c["after"]["generation_tokens"] = c["delta"]["generation_tokens"] = over["generated"]
+    elif "hits" in over:
+        c["after"]["prefix_cache_hits"] = c["delta"]["prefix_cache_hits"] = over["hits"]
+    else:
+        data.update(over)
+    write(seal(data, key_from_env()), path, key_from_env())
+    line = refused(
+        capsys, ["--root", str(root), "publish", str(wheel), "--to", str(tmp_path / "i"), "--report", str(path)]
+    )
+    assert want in line and "Traceback" not in line, line
+    print(line)

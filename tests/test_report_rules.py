@@ -437,7 +437,7 @@ def test_a_report_that_measured_nothing_says_why() -> None:
 def test_k_of_one_is_a_profile_and_zero_none() -> None:
     """k = 1 (one draft token per draft) is the smallest k a profile states; k = 0, a bool or a float is none."""
     before = scrape(0, 0, 0, {})
-    after = scrape(10, 10, 6, {0: 6})
+    after = scrape(10, 10, 6, {0: 6}, generation_tokens=16)
     data = {
         "verdict": "pass",
         "counters": {"before": before.as_dict(), "after": after.as_dict(), "delta": after.minus(before).as_dict()},
@@ -453,3 +453,43 @@ def test_k_of_one_is_a_profile_and_zero_none() -> None:
 def _more_tokens(d: dict[str, Any]) -> None:
     for where in ("after", "delta"):
         d["counters"][where]["num_draft_tokens"] = 11
+
+
+@pytest.mark.parametrize(
+    ("edit", "relation"),
+    [
+        # accepted 150 of the delta; 400 generated; 4 requests at k = 3 allow 12 truncated tokens: 161 generated is not
+        (lambda d: d.update(generation_tokens=137.0), "relation accepted <= generated + k x requests broken"),
+        (lambda d: d.update(prefix_cache_queries=3.0, prefix_cache_hits=4.0), "relation prefix hits <= queries"),
+    ],
+)
+def test_counters_are_checked_against_each_other(edit: Any, relation: str) -> None:
+    """Each relation between counters is a rule; `after` is kept before + delta so only the relation breaks."""
+    data = report()
+
+    def both(d: dict[str, Any], change: Any = edit) -> None:
+        c = d["counters"]
+        change(c["delta"])
+        for name in rules.COUNTER_NAMES:
+            c["after"][name] = c["before"][name] + c["delta"][name]
+
+    assert rules.measurement_problem(data) is None
+    assert relation in (rules.measurement_problem(edited(data, both)) or "")
+    # the allowance is k x requests, no more: 138 generated + 12 = 150 accepted holds
+    fine = edited(data, lambda d: both(d, lambda c: c.update(generation_tokens=138.0)))
+    assert rules.measurement_problem(fine) is None
+
+
+@pytest.mark.parametrize(
+    ("edit", "want"),
+    [
+        (lambda d: d["throughput"].update(output_tokens=-1), "throughput.output_tokens = -1"),
+        (lambda d: d["throughput"].update(wall_s=2.0**70), "throughput.wall_s"),
+        (lambda d: d["throughput"].update(tokens_per_s="fast"), "throughput.tokens_per_s"),
+        (lambda d: d["profile"].update(num_speculative_tokens=10**12), "above 1024"),
+    ],
+)
+def test_other_fields_are_typed_and_bounded(edit: Any, want: str) -> None:
+    data = {**report(), "throughput": {"output_tokens": 400, "wall_s": 2.0, "tokens_per_s": 200.0}}
+    assert rules.measurement_problem(data) is None
+    assert want in (rules.measurement_problem(edited(data, edit)) or "")

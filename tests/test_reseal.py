@@ -97,7 +97,9 @@ def consistent(root: Path, data: dict[str, Any], after: dict[str, Any], k: int |
     profile = load_manifest(root).profiles[PROFILE]
     k = k or profile.num_speculative_tokens
     zero: dict[str, Any] = {name: 0.0 for name in reports.COUNTER_NAMES} | {reports.PER_POSITION: {}}
-    full = {**zero, **after}
+    # Every drafting step generates its accepted tokens and one more (a forgery that knows the relations keeps them).
+    generated = {"generation_tokens": after.get("num_accepted_tokens", 0.0) + after.get("num_drafts", 0.0)}
+    full = {**zero, **generated, **after}
     data["counters"] = {"before": zero, "after": full, "delta": full}
     d, t, a = full["num_drafts"], full["num_draft_tokens"], full["num_accepted_tokens"]
     per = {int(p): v for p, v in full[reports.PER_POSITION].items()}

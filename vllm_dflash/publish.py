@@ -126,6 +126,7 @@ def check_gate(
             "validate this exact artifact (validate --wheel FILE or --image REF)",
         )
     _check_prompts(rep, current, report_path)
+    _check_kind(rep, report_path, artifact)
     _check_binding(rep, report_path, accept_declared)
     return Gated(rep, judged)
 
@@ -160,6 +161,21 @@ def _check_prompts(rep: ValidationReport, profile: Profile, report_path: Path) -
             f"report {report_path}'s prompts (sha256 {str(sent.get('sha256'))[:16]}…) are not the first {count} of "
             f"the profile's set {own!r}",
             hint,
+        )
+
+
+def _check_kind(rep: ValidationReport, report_path: Path, artifact: ArtifactId) -> None:
+    """The report's artifact kind and binding fit the artifact: a wheel is served installed (or declared), an image
+    from its container (or declared); a wheel's report claiming an image, or the reverse, measured something else."""
+    from vllm_dflash.validate.server import BINDING_DECLARED, BINDING_IMAGE, BINDING_INSTALLED
+
+    fits = {"wheel": (BINDING_INSTALLED, BINDING_DECLARED), "image": (BINDING_IMAGE, BINDING_DECLARED)}
+    kind, binding = rep.artifact.get("kind"), rep.binding
+    if kind != artifact.kind or binding not in fits.get(artifact.kind, ()):
+        raise PublishRefusedError(
+            f"report {report_path} has artifact kind {str(kind)[:16]!r} and binding {binding[:16]!r}, which do not "
+            f"fit the {artifact.kind} {artifact.name} (a wheel takes installed or declared, an image takes image)",
+            "validate this artifact as what it is (validate --wheel FILE or --image REF)",
         )
 
 

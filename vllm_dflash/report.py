@@ -54,6 +54,8 @@ def seal_problem(report: Mapping[str, Any], key: bytes | None = None) -> str | N
     blob = canonical_json({k: v for k, v in report.items() if k != "seal"})
     if not hmac.compare_digest(str(found["sha256"]), hashlib.sha256(blob).hexdigest()):
         return "its content does not match its seal (edited after validation)"
+    if not key and "hmac_sha256" in found:
+        return f"it is sealed with a key (HMAC) and {KEY_ENV} is not set: set the key it was sealed with"
     if key:
         mac = found.get("hmac_sha256")
         if not isinstance(mac, str):
@@ -61,6 +63,13 @@ def seal_problem(report: Mapping[str, Any], key: bytes | None = None) -> str | N
         if not hmac.compare_digest(mac, hmac.new(key, blob, hashlib.sha256).hexdigest()):
             return f"its HMAC does not verify with {KEY_ENV}"
     return None
+
+
+def seal_kind(report: Mapping[str, Any]) -> str:
+    """Which seal a verified report carries: `keyed` (an HMAC only key holders can make) or `keyless` (a sha256
+    anyone can recompute: it catches accidents, an edited or truncated file, not a forgery)."""
+    found = report.get("seal")
+    return "keyed" if isinstance(found, Mapping) and "hmac_sha256" in found else "keyless"
 
 
 def _no_constant(name: str) -> Any:
@@ -189,6 +198,11 @@ MAX_COUNT = 2**53
 MAX_POSITION_DIGITS = 6
 # Methods whose vLLM exports the per-position family on every server (the DFlash proposer always drafts k tokens).
 PER_POSITION_METHODS = ("dflash",)
+# vLLM's num_speculative_tokens is a few dozen at most; a larger k is no profile (and k = 10^12 must not reach a
+# per-position list of k entries).
+MAX_K = 1024
+# A run's wall time: a day is far beyond any validation run, 2^70 s is no clock reading.
+MAX_WALL_S = 86400.0
 
 
 def count_value_problem(name: str, value: Any) -> str | None:
@@ -298,23 +312,27 @@ def read_counts(found: Any, where: str) -> Counts | str:
     return Counts({n: float(found[n]) for n in COUNTER_NAMES}, per_pos)
 
 
+_DOWN = "relation before <= after broken: its counter"
+_DELTA = "relation delta = after - before broken: its delta"
+
+
 def delta_problem(before: Counts, after: Counts, delta: Counts) -> str | None:
     """None when `delta` is exactly `after - before`, field by field (no counter went down)."""
     for name in COUNTER_NAMES:
         b, a, d = before.values[name], after.values[name], delta.values[name]
         if a < b:
-            return f"its counter {name} went down from {b:g} to {a:g} during the run"
+            return f"{_DOWN} {name} went down from {b:g} to {a:g} during the run"
         if a - b != d:
-            return f"its delta {name} = {d:g} is not after - before = {a:g} - {b:g}"
+            return f"{_DELTA} {name} = {d:g} is not after - before = {a:g} - {b:g}"
     positions = set(before.per_position) | set(after.per_position)
     if set(delta.per_position) != positions:
         return f"its delta has draft positions {sorted(delta.per_position)}, its scrapes {sorted(positions)}"
     for p in sorted(positions):
         b, a = before.per_position.get(p, 0.0), after.per_position.get(p, 0.0)
         if a < b:
-            return f"its counter {PER_POSITION}[{p}] went down from {b:g} to {a:g} during the run"
+            return f"{_DOWN} {PER_POSITION}[{p}] went down from {b:g} to {a:g} during the run"
         if a - b != delta.per_position[p]:
-            return f"its delta {PER_POSITION}[{p}] = {delta.per_position[p]:g} is not after - before = {a:g} - {b:g}"
+            return f"{_DELTA} {PER_POSITION}[{p}] = {delta.per_position[p]:g} is not after - before = {a:g} - {b:g}"
     return None
 
 
@@ -323,6 +341,8 @@ def measured_counts(data: Mapping[str, Any], k: int, method: str | None) -> Coun
     against what a vLLM drafting `k` tokens (with `method`) can produce; or what is wrong with it (a string)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         return "its profile states no num_speculative_tokens >= 1"
+    if k > MAX_K:
+        return f"its num_speculative_tokens {str(k)[:20]} is above {MAX_K}, no vLLM drafts that many"
     counters = data.get("counters")
     if not isinstance(counters, Mapping):
         return "it has no counters"
@@ -344,7 +364,64 @@ def measured_counts(data: Mapping[str, Any], k: int, method: str | None) -> Coun
         k,
         per_position_required(method),
     )
+    if problem is None:
+        problem = system_problem(d, k, requests(data))
     return problem if problem is not None else d
+
+
+def requests(data: Mapping[str, Any]) -> int | None:
+    """How many requests the run sent (its prompt count), when the report states it as a whole number >= 1."""
+    found = data.get("prompts")
+    count = found.get("count") if isinstance(found, Mapping) else None
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_COUNT:
+        return None
+    return count
+
+
+def system_problem(d: Counts, k: int, sent: int | None) -> str | None:
+    """None when the counters of one delta agree with each other (count_problem checks the drafting family); else
+    the relation they break.
+
+    accepted <= generated does not hold exactly in vLLM: the scheduler counts every accepted draft token, and the
+    output processor then cuts a request at max_tokens or a stop string, so a request's last step may count up to k
+    accepted tokens that are never generated (that step keeps at least one token). What vLLM guarantees is
+    accepted <= generated + k x requests, and that is the rule here."""
+    v = d.values
+    accepted, generated = v["num_accepted_tokens"], v["generation_tokens"]
+    # A report stating no request count gets no allowance for truncated steps: accepted <= generated, exactly.
+    if accepted > generated + k * (sent or 0):
+        return (
+            f"relation accepted <= generated + k x requests broken: {accepted:g} accepted tokens, "
+            f"{generated:g} generated, k = {k}, {sent or 0} requests"
+        )
+    if v["prefix_cache_hits"] > v["prefix_cache_queries"]:
+        return (
+            f"relation prefix hits <= queries broken: {v['prefix_cache_hits']:g} prefix-cache hits, "
+            f"{v['prefix_cache_queries']:g} queries"
+        )
+    return None
+
+
+def field_problem(data: Mapping[str, Any]) -> str | None:
+    """None when the report's non-counter numbers are typed and bounded (the throughput of its run)."""
+    found = data.get("throughput")
+    if found is None:
+        return None
+    if not isinstance(found, Mapping):
+        return "its throughput is not an object"
+    out = found.get("output_tokens")
+    problem = count_value_problem("throughput.output_tokens", out)
+    if problem is not None:
+        return problem
+    if isinstance(out, float):
+        return f"throughput.output_tokens = {out!r} is not an integer"
+    wall = found.get("wall_s")
+    if isinstance(wall, bool) or not isinstance(wall, int | float) or not 0 <= wall <= MAX_WALL_S:
+        return f"throughput.wall_s = {str(wall)[:24]} is not a duration in 0..{MAX_WALL_S:g} s"
+    tps = found.get("tokens_per_s")
+    if isinstance(tps, bool) or not isinstance(tps, int | float) or not math.isfinite(tps) or tps < 0:
+        return f"throughput.tokens_per_s = {str(tps)[:24]} is not a finite rate >= 0"
+    return None
 
 
 def measurement_problem(data: Mapping[str, Any], k: Any = None, method: Any = None) -> str | None:
@@ -357,6 +434,9 @@ def measurement_problem(data: Mapping[str, Any], k: Any = None, method: Any = No
     """
     if data.get("verdict") not in ("pass", "fail"):
         return None
+    problem = field_problem(data)
+    if problem is not None:
+        return problem
     found = data.get("profile")
     profile: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
     k = profile.get("num_speculative_tokens") if k is None else k

@@ -84,4 +84,8 @@ def _judged(gated: Gated | None) -> str:
         return "no report"
     al = gated.judged.acceptance_length
     said = f"AL {al:.2f} from its counters" if al is not None else "no AL"
-    return f"report {gated.report.path}, profile {gated.report.profile_name}, {said}"
+    from vllm_dflash.report import seal_kind
+
+    kind = seal_kind(gated.report.data)
+    seal = "keyed seal (HMAC)" if kind == "keyed" else "keyless seal (catches accidents, not forgery)"
+    return f"report {gated.report.path}, profile {gated.report.profile_name}, {said}, {seal}"

@@ -57,9 +57,16 @@ def _snapshot(path: Path) -> Path:
     """A Hugging Face cache repo directory -> the snapshot refs/main names (or its only snapshot)."""
     snaps = path / "snapshots"
     ref = path / "refs" / "main"
-    if ref.is_file():
-        rev = ref.read_text().strip()
-        if (snaps / rev).is_dir():
+    if ref.exists():
+        from vllm_dflash.paths import read_bounded
+
+        hint = "pass the snapshot directory itself (snapshots/<revision>)"
+        raw = read_bounded(ref, 256, "refs/main", CheckpointError, hint)  # a revision is 40 hex digits
+        try:
+            rev = raw.decode("ascii").strip()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{ref} is not a revision (not ASCII text)", hint) from None
+        if rev and "/" not in rev and rev not in (".", "..") and (snaps / rev).is_dir():
             return snaps / rev
     found = sorted(p for p in snaps.iterdir() if p.is_dir()) if snaps.is_dir() else []
     if len(found) == 1:
@@ -121,7 +128,13 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def _safetensors_names(path: Path) -> list[str]:
-    with path.open("rb") as f:
+    import os
+
+    from vllm_dflash.paths import open_regular
+
+    # a FIFO or a device named *.safetensors is refused before any read (a FIFO would wait forever)
+    fd = open_regular(path, "weights file", CheckpointError, "pass a checkpoint whose weights are regular files")
+    with os.fdopen(fd, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             return []
