@@ -25,6 +25,8 @@ ARG UPSTREAM_TAG=
 ARG UPSTREAM_COMMIT=
 ARG DFLASH_PATCHES=
 ARG SOURCE_URL=
+ARG REVISION=
+ARG CREATED=
 ARG SERVE_PORT=8000
 
 #################### full: builder ####################
@@ -70,6 +72,8 @@ ARG UPSTREAM_TAG
 ARG UPSTREAM_COMMIT
 ARG DFLASH_PATCHES
 ARG SOURCE_URL
+ARG REVISION
+ARG CREATED
 ARG SERVE_PORT
 ENV DEBIAN_FRONTEND=noninteractive
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -90,9 +94,18 @@ RUN --mount=type=bind,from=full-builder,source=/src/dist,target=/tmp/dist \
     set -- /tmp/dist/vllm-*.whl \
     && [ "$#" -eq 1 ] || { echo "error: expected one vllm wheel in the builder's dist/, found: $*" >&2; exit 1; } \
     && pip install "$1"
+# Any UID in group 0 (OpenShift's arbitrary UID): HOME, its caches and /tmp writable by the group (g=u).
+RUN mkdir -p /root/.cache/huggingface /root/.cache/vllm /root/.config /root/.triton \
+    && chgrp -R 0 /root && chmod -R g=u /root && chmod 1777 /tmp \
+    && command -v bash && command -v getent
+ENV HOME=/root
 LABEL org.opencontainers.image.title="vllm-dflash" \
       org.opencontainers.image.description="vLLM ${UPSTREAM_TAG} with working DFlash speculative decoding (full CUDA build)" \
       org.opencontainers.image.version="${DFLASH_VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.vendor="vllm-dflash" \
+      org.opencontainers.image.url="${SOURCE_URL}" \
       org.opencontainers.image.source="${SOURCE_URL}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       io.vllm-dflash.upstream.tag="${UPSTREAM_TAG}" \
@@ -112,6 +125,8 @@ ARG UPSTREAM_TAG
 ARG UPSTREAM_COMMIT
 ARG DFLASH_PATCHES
 ARG SOURCE_URL
+ARG REVISION
+ARG CREATED
 ARG SERVE_PORT
 # Exact wheel file name under dist/ (vllm-dflash image passes it); empty = the only vllm-*.whl there.
 ARG WHEEL=
@@ -131,10 +146,22 @@ RUN --mount=type=bind,source=dist,target=/tmp/dist \
     fi; \
     PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-deps --no-index --no-cache-dir --force-reinstall \
         --disable-pip-version-check "$1"; \
-    python3 -c "import importlib.metadata as md, sys; v = md.version('vllm'); sys.exit(0 if v == sys.argv[1] else 'installed vllm %s != %s' % (v, sys.argv[1]))" "${DFLASH_VERSION}"
+    python3 -c "import importlib.metadata as md, sys; v = md.version('vllm'); sys.exit(0 if v == sys.argv[1] else 'installed vllm %s != %s' % (v, sys.argv[1]))" "${DFLASH_VERSION}"; \
+    mkdir -p /root/.cache/huggingface /root/.cache/vllm /root/.config /root/.triton; \
+    chgrp -R 0 /root; chmod -R g=u /root; chmod 1777 /tmp; \
+    for tool in bash getent; do \
+        command -v "$tool" >/dev/null || { echo "error: the base image lacks $tool" >&2; exit 1; }; \
+    done
+# Any UID in group 0 (OpenShift's arbitrary UID, which has no passwd entry) gets this HOME, writable by the group;
+# /root stays where upstream's docs mount the Hugging Face cache (-v ~/.cache/huggingface:/root/.cache/huggingface).
+ENV HOME=/root
 LABEL org.opencontainers.image.title="vllm-dflash" \
       org.opencontainers.image.description="vLLM ${UPSTREAM_TAG} with working DFlash speculative decoding" \
       org.opencontainers.image.version="${DFLASH_VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.vendor="vllm-dflash" \
+      org.opencontainers.image.url="${SOURCE_URL}" \
       org.opencontainers.image.source="${SOURCE_URL}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \

@@ -93,8 +93,13 @@ def test_dockerfile_targets_and_metadata() -> None:
     assert full.splitlines()[0].startswith("FROM ${RUNTIME_BASE_IMAGE}")
     assert re.search(r"^ARG RUNTIME_BASE_IMAGE=nvidia/cuda:\$\{CUDA_VERSION\}-runtime-", text, re.M)
     for stage in (fast, full):
-        for label in img.REQUIRED_LABELS:
+        for label in (*img.REQUIRED_LABELS, *img.OCI_LABELS):
             assert f"{label}=" in stage, f"{label} missing"
+        # An arbitrary UID in group 0 (OpenShift): HOME and its caches group-writable, HOME set for a UID with no
+        # passwd entry, and the image refuses to build without bash and getent.
+        assert "chgrp -R 0 /root" in stage and "chmod -R g=u /root" in stage and "chmod 1777 /tmp" in stage
+        assert re.search(r"^ENV HOME=/root$", stage, re.M)
+        assert "bash" in stage and "getent" in stage
         assert 'ENTRYPOINT ["vllm", "serve"]' in stage
         assert "HEALTHCHECK" in stage and "/health" in stage
 
@@ -233,6 +238,14 @@ def test_tag_and_build_commands(manifest: Manifest) -> None:
     arm = img.build_command("podman", replace(opts, platform="aarch64"), Path("/r/D"), Path("/c"), "t", Path("/i"), {})
     assert arm[arm.index("--platform") + 1] == "linux/arm64"
     assert args["DFLASH_PATCHES"] == "0001-a.patch,0002-b.patch"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", args["CREATED"])
+
+
+def test_created_label_honours_source_date_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    assert img.build_time() == "2023-11-14T22:13:20Z"
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "not-a-number")  # ignored, not fatal: the build time instead
+    assert img.build_time() != "2023-11-14T22:13:20Z"
 
 
 # ------------------------------------------------------------------------------------------------ real build
@@ -318,6 +331,42 @@ def _check_inside(prefix: list[str], tag: str, wheel: Path, upstream_wheel: Path
     differ = sorted(k for k, v in upstream.items() if cfiles.get(k) != v)
     assert "vllm/_version.py" in differ
     return got
+
+
+# Run as OpenShift does: an arbitrary UID with no passwd entry, in group 0. Prints what it found as one JSON line.
+ARBITRARY_USER = "1000650000:0"
+GROUP0_SCRIPT = r"""
+import json, os, shutil, subprocess, tempfile
+home = os.environ.get("HOME", "")
+out = {"uid": os.getuid(), "gid": os.getgid(), "home": home, "writable": {}}
+for d in (home, os.path.join(home, ".cache"), os.path.join(home, ".cache", "huggingface"),
+          os.path.join(home, ".cache", "vllm"), os.path.join(home, ".config"), os.path.join(home, ".triton"),
+          tempfile.gettempdir()):
+    try:
+        os.makedirs(os.path.join(d, "probe-dir"), exist_ok=True)
+        with open(os.path.join(d, "probe-dir", "f"), "w") as fh:
+            fh.write("x")
+        out["writable"][d] = True
+    except OSError as exc:
+        out["writable"][d] = str(exc)
+for tool in ("bash", "getent"):
+    out[tool] = shutil.which(tool)
+if out["getent"]:
+    out["getent_root"] = subprocess.run(["getent", "passwd", "0"], capture_output=True, text=True).stdout.strip()
+print(json.dumps(out))
+"""
+
+
+def _group0_check(prefix: list[str], tag: str, tmp: Path) -> dict[str, object]:
+    check = tmp / "group0"
+    check.mkdir(parents=True)
+    (check / "g0.py").write_text(GROUP0_SCRIPT)
+    cmd = [*prefix, "run", *PODMAN_RUN, *RUN_FLAGS, "--user", ARBITRARY_USER, "-v", f"{check}:/check:ro"]
+    res = subprocess.run(
+        [*cmd, "--entrypoint", "python3", tag, "/check/g0.py"], check=True, capture_output=True, text=True
+    )
+    data: dict[str, object] = json.loads(res.stdout.strip().splitlines()[-1])
+    return data
 
 
 def _require_container_tools() -> None:
@@ -447,6 +496,25 @@ def test_fast_image_builds_and_checks_inside(
     # Inside the image: the wheel's files, byte for byte; upstream's wheel must NOT match (negative control).
     got = _check_inside(prefix, result.tag, dflash_wheel, fetch(manifest.wheels[platform.machine()]), tmp_path)
     assert got["version"] == labels[img.LABEL_VERSION] and got["machine"] == platform.machine()
+
+    # The OCI labels beside ours: the revision is the patched tree's commit the wheel records, created a UTC time.
+    assert labels[img.LABEL_REVISION] == prov.read_wheel(dflash_wheel).fork.head
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", labels[img.LABEL_CREATED])
+    for key in img.OCI_LABELS:
+        assert labels.get(key), f"label {key} empty"
+    # As an arbitrary UID in group 0: HOME, its caches and /tmp writable; bash and getent present.
+    g0 = _group0_check(prefix, result.tag, tmp_path)
+    print(f"\n--user {ARBITRARY_USER} in the image: {g0}")
+    assert (g0["uid"], g0["gid"], g0["home"]) == (1000650000, 0, "/root")
+    writable = g0["writable"]
+    assert isinstance(writable, dict) and len(writable) == 7
+    assert all(v is True for v in writable.values()), writable
+    assert g0["bash"] and g0["getent"] and str(g0["getent_root"]).startswith("root:x:0:0:")
+    # Negative control: the base image, run the same way, leaves that UID a HOME it cannot write.
+    control = _group0_check(prefix, base, tmp_path / "control")
+    print(f"--user {ARBITRARY_USER} in the base: {control}")
+    bad = control["writable"]
+    assert isinstance(bad, dict) and bad.get(control["home"]) is not True, control
 
     over_base = int(info["Size"]) - int(base_info["Size"])
     report = {

@@ -42,7 +42,27 @@ LABEL_SOURCE = "org.opencontainers.image.source"
 LABEL_UPSTREAM_TAG = "io.vllm-dflash.upstream.tag"
 LABEL_UPSTREAM_COMMIT = "io.vllm-dflash.upstream.commit"
 LABEL_PATCHES = "io.vllm-dflash.patches"
-REQUIRED_LABELS = (LABEL_VERSION, LABEL_SOURCE, LABEL_UPSTREAM_TAG, LABEL_UPSTREAM_COMMIT, LABEL_PATCHES)
+LABEL_REVISION = "org.opencontainers.image.revision"
+LABEL_CREATED = "org.opencontainers.image.created"
+# The OCI annotation keys (image-spec annotations.md) every target writes beside ours.
+OCI_LABELS = (
+    "org.opencontainers.image.title",
+    "org.opencontainers.image.description",
+    LABEL_VERSION,
+    LABEL_REVISION,
+    LABEL_SOURCE,
+    LABEL_CREATED,
+    "org.opencontainers.image.licenses",
+)
+REQUIRED_LABELS = (
+    LABEL_VERSION,
+    LABEL_SOURCE,
+    LABEL_REVISION,
+    LABEL_CREATED,
+    LABEL_UPSTREAM_TAG,
+    LABEL_UPSTREAM_COMMIT,
+    LABEL_PATCHES,
+)
 
 
 @dataclass(frozen=True)
@@ -76,10 +96,13 @@ class ImageLabels:
     upstream_commit: str
     patches: tuple[str, ...]
     source_url: str
+    revision: str = ""  # the source revision packaged: the patched tree's commit (fast), the checkout's (full)
 
     def build_args(self) -> dict[str, str]:
         return {
             "DFLASH_VERSION": self.version,
+            "REVISION": self.revision,
+            "CREATED": build_time(),
             "UPSTREAM_TAG": self.upstream_tag,
             "UPSTREAM_COMMIT": self.upstream_commit,
             "DFLASH_PATCHES": ",".join(self.patches),
@@ -127,6 +150,7 @@ def labels_from_wheel(wheel: Path, source_url: str) -> ImageLabels:
         upstream_commit=doc.upstream.commit_pinned,
         patches=doc.patch_names,
         source_url=source_url,
+        revision=doc.fork.head,
     )
 
 
@@ -138,7 +162,22 @@ def labels_from_queue(manifest: Manifest, queues: Queues, source_url: str) -> Im
         upstream_commit=manifest.upstream.commit,
         patches=tuple(p.name for p in queues.dflash.patches),
         source_url=source_url,
+        revision=_checkout_revision(manifest.root),
     )
+
+
+def build_time() -> str:
+    """RFC 3339 UTC time for org.opencontainers.image.created; SOURCE_DATE_EPOCH (reproducible builds) wins."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    stamp = int(epoch) if epoch.isdigit() else int(time.time())
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(stamp))
+
+
+def _checkout_revision(root: Path) -> str:
+    if not (root / ".git").exists() or shutil.which("git") is None:
+        return ""
+    res = proc.call("git", "-C", root, "rev-parse", "HEAD", capture=True, check=False, quiet=True)
+    return res.stdout.strip() if res.returncode == 0 else ""
 
 
 def source_url(manifest: Manifest, override: str | None = None) -> str:
