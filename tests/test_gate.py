@@ -52,6 +52,13 @@ TABLE: dict[str, Any] = {
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 
+def _generated(drafts: Any, accepted: Any) -> Any:
+    try:
+        return float(drafts) + float(accepted)
+    except (TypeError, ValueError):
+        return 0  # a malformed counter under test: the generation count is not what it is about
+
+
 def metrics(drafts: Any, draft_tokens: Any, accepted: Any, per_pos: list[str] | None = None) -> str:
     """Prometheus text as vLLM writes its spec-decode counters; `per_pos` lines are given whole (label and value)."""
     lines = []
@@ -59,6 +66,8 @@ def metrics(drafts: Any, draft_tokens: Any, accepted: Any, per_pos: list[str] | 
         ("vllm:spec_decode_num_drafts_total", drafts),
         ("vllm:spec_decode_num_draft_tokens_total", draft_tokens),
         ("vllm:spec_decode_num_accepted_tokens_total", accepted),
+        # every accepted token is a generated one, plus the one token each step samples (report.system_problem)
+        ("vllm:generation_tokens_total", _generated(drafts, accepted)),
     ):
         lines += [f"# TYPE {name} counter", f'{name}{{engine="0",model_name="tiny"}} {value}']
     lines.append(f"# TYPE {PER_POS} counter")
@@ -610,7 +619,8 @@ def test_pip_and_uv_install_from_the_local_index(validated: Callable[..., Path],
         check=True, env=ISOLATED,
     )  # fmt: skip
     assert _value(py) == "from the index"
-    uv = shutil.which("uv")
+    # The venv's own bin first: the suite may run as .venv/bin/python without activating it.
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
     assert uv is not None, "uv is in the test extra (pip install -e '.[test]')"
     py2 = _venv(tmp_path / "uv-venv")
     subprocess.run(

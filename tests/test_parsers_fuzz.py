@@ -191,7 +191,7 @@ def test_provenance(data: bytes) -> None:
 
 def _report() -> bytes:
     zero: dict[str, Any] = {n: 0 for n in reports.COUNTER_NAMES} | {reports.PER_POSITION: {}}
-    after = {**zero, "num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 20}
+    after = {**zero, "num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 20, "generation_tokens": 30}
     body = {
         "schema": reports.SCHEMA,
         "profile": {"name": "p", "sha256": "0" * 64, "num_speculative_tokens": 3},
