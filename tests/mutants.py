@@ -29,7 +29,12 @@ TESTS = [
     "tests/test_gate.py",
 ]
 # Files whose decisions other quick tests cover: their mutants run those tests instead of TESTS.
-TESTS_FOR: dict[str, list[str]] = {"vllm_dflash/conformance/compare.py": ["tests/test_conformance.py"]}
+TESTS_FOR: dict[str, list[str]] = {
+    "vllm_dflash/conformance/compare.py": ["tests/test_conformance.py"],
+    "vllm_dflash/doctor/checkpoint.py": ["tests/test_doctor.py"],
+    "vllm_dflash/doctor/ours.py": ["tests/test_doctor.py"],
+    "vllm_dflash/proc.py": ["tests/test_proc.py"],
+}
 R, V, W, S, IX, P, M = (
     "vllm_dflash/report.py",
     "vllm_dflash/validate/verdict.py",
@@ -193,6 +198,37 @@ MUTANTS: list[tuple[str, str, str]] = [
     (K, '            cap = (int(g["window"]) - 1 + 2 * k) // int(g["block_size"]) + 2', "            cap = 10**9"),
     (K, "    if spec.min_prefill_chunks and not any(", "    if False and not any("),
     (K, "    if spec.prefix_caching and not any(", "    if False and not any("),
+    # issue 42: the doctor's last tracebacks and a child's trace inside a one-line error
+    (
+        "vllm_dflash/doctor/checkpoint.py",
+        "        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):",
+        "        if False:",
+    ),
+    (
+        "vllm_dflash/doctor/ours.py",
+        "    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:",
+        "    except MemoryError as exc:",
+    ),
+    (
+        "vllm_dflash/doctor/ours.py",
+        "    except UnicodeDecodeError:\n        raise PatchError",
+        "    except KeyError:\n        raise PatchError",
+    ),
+    ("vllm_dflash/proc.py", "    if not any(line.startswith(_TRACE_HEADS) for line in plain):", "    if True:"),
+    ("vllm_dflash/proc.py", "    return said + ends[-1:]", "    return said + ends"),
+    # issue 42, found by the report fuzzer: timings bounded, serving and sampling the profile's
+    (
+        R,
+        "            if isinstance(secs, bool) or not isinstance(secs, int | float) or not 0 <= secs <= MAX_WALL_S:",
+        "            if False:",
+    ),
+    ("vllm_dflash/validate/serving.py", "            if mine != theirs:", "            if False:"),
+    ("vllm_dflash/validate/serving.py", '    if serving.get("source") not in (DECLARED, LAUNCHED):', "    if False:"),
+    (
+        V,
+        '    if recorded in ("pass", "fail"):\n        problem = conditions_difference',
+        "    if False:\n        problem = conditions_difference",
+    ),
 ]
 
 

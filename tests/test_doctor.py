@@ -950,3 +950,43 @@ def test_hostile_cache_files_are_one_line_exit_18(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err
     print(err[0])
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "says"),
+    [
+        ("weight-map-int", 18, "weight_map is not an object"),
+        ("weight-map-list", 18, "weight_map is not an object"),
+        ("model-file-syntax", 6, "is not Python at line 1"),
+        ("model-file-binary", 6, "is not UTF-8 text"),
+        ("model-file-device", 6, "is a character device"),
+        ("model-file-raises", 6, "no top-level target_layer_ids check"),
+    ],
+)
+def test_hostile_drafter_files_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, code: int, says: str
+) -> None:
+    """Issue 42's last doctor tracebacks: an index whose weight_map is no mapping, and a --model-file that is not
+    Python (or not a file at all), each one line with its class's exit code."""
+    d = write_dir(tmp_path / "drafter", q36())
+    args = ["--root", str(REPO), "doctor", str(d)]
+    if case.startswith("weight-map"):
+        bad: object = 5 if case == "weight-map-int" else ["model.safetensors"]
+        (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": bad}))
+    else:
+        model = tmp_path / "qwen3_dflash.py"
+        body = {"model-file-syntax": b"def (:\n", "model-file-binary": b"x = 1\n\xff\n"}.get(case, b"")
+        model.write_bytes(body or b"def _f(a=1 / 0):\n    pass\n")
+        args[3:3] = ["--model-file", "/dev/null" if case == "model-file-device" else str(model)]
+    assert main(args) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+    print(err[0])
+
+
+def test_a_string_swa_window_size_is_a_field_no_build_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # it once ended in a traceback; a string there is as unknown as the field itself: exit 23, no trace
+    d = write_dir(tmp_path / "drafter", {**q36(), "swa_window_size": "2048"})
+    assert main(["--root", str(REPO), "doctor", str(d)]) == 23
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out and "swa_window_size" in captured.out

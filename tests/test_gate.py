@@ -1013,3 +1013,142 @@ def test_each_request_gets_its_own_connection(manifest: Any, fake: tuple[str, Fa
     assert len(ours) == 1 + len(prompts) and len({port for port, _ in ours}) == len(ours), ours
     assert {h for _, h in ours} == {"close"}
     assert len({port for port, _ in seen}) == 1 and len(seen) == len(prompts)
+
+
+# --- issue 42's fuzz tier: reports and wheels through `publish`, every ending in the documented table -------------
+
+from cli_fuzz import run_in_process  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FUZZ = settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+# Values a hostile report puts in a leaf: the boundaries of every rule (negative, huge, fractional, 2^70, wrong type).
+ODD_VALUES: st.SearchStrategy[Any] = st.one_of(
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.sampled_from([0, -1, 1, 2**63, 2**70, 10**12, 1025, 0.5, 1e308, -0.0, True, None, "", "3", [], {}, [1]]),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+)
+
+
+def _leaves(doc: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    if isinstance(doc, dict):
+        return [p for k, v in doc.items() for p in _leaves(v, (*at, k))] or [at]
+    if isinstance(doc, list):
+        return [p for i, v in enumerate(doc) for p in _leaves(v, (*at, i))] or [at]
+    return [at]
+
+
+def _set(doc: Any, path: tuple[Any, ...], value: Any) -> None:
+    for part in path[:-1]:
+        doc = doc[part]
+    doc[path[-1]] = value
+
+
+@pytest.fixture
+def gated_wheel(validated: Callable[..., Path], root: Path, tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    wheel = make_wheel(tmp_path / "w")
+    body = json.loads(validated(wheel).read_text())
+    del body["seal"]
+    return wheel, body
+
+
+def _publish(root: Path, tmp: Path, wheel: Path, body: dict[str, Any]) -> Any:
+    report = tmp / "r.json"
+    write(seal(body, key_from_env()), report, key_from_env())
+    return run_in_process("--root", root, "publish", wheel, "--report", report, "--to", tmp / "index",
+                          "--accept-declared-binding")  # fmt: skip
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_reports_through_publish_end_in_the_table(
+    gated_wheel: tuple[Path, dict[str, Any]], root: Path, tmp_path: Path, data: st.DataObject
+) -> None:
+    """One to three leaves of a passing report replaced by odd values and the report sealed again (as anyone without
+    the key can): publish ends with a documented code, one line, no trace, in bound."""
+    import copy
+    import tempfile
+
+    wheel, base = gated_wheel
+    body = copy.deepcopy(base)
+    paths = _leaves(body)
+    for path in data.draw(st.lists(st.sampled_from(paths), min_size=1, max_size=3, unique=True)):
+        _set(body, path, data.draw(ODD_VALUES))
+    with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
+        ending = _publish(root, Path(tmp), wheel, body)
+    ending.check()
+
+
+# members a hostile wheel carries: traversal names, duplicate and odd METADATA, a RECORD that lies, provenance junk
+_MEMBERS = st.sampled_from([
+    "gatedemo/__init__.py", "gatedemo-1.0.0.dist-info/METADATA", "gatedemo-1.0.0.dist-info/RECORD",
+    "gatedemo-1.0.0.dist-info/WHEEL", "vllm/dflash_build.json", "../escape.py", "/abs.py", "a/../../b",
+    "gatedemo-1.0.0.dist-info/", "other-2.0.dist-info/METADATA", "x" * 300,
+])  # fmt: skip
+_BODIES = st.one_of(
+    st.binary(max_size=64),
+    st.sampled_from([b"", b"Metadata-Version: 2.1\nName: gatedemo\nVersion: 1.0.0\n", b"\xff\xfe", b"{}", b"[1]",
+                     b'{"schema": 1}', b"Name: other\nVersion: 9\n", b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\n"]),
+)  # fmt: skip
+
+
+@FUZZ
+@given(members=st.lists(st.tuples(_MEMBERS, _BODIES), max_size=6), keep=st.booleans())
+def test_fuzzed_wheels_through_publish_end_in_the_table(
+    gated_wheel: tuple[Path, dict[str, Any]], root: Path, tmp_path: Path, members: list[tuple[str, bytes]], keep: bool
+) -> None:
+    """A wheel zip rebuilt from odd members (on top of the real ones, or instead of them), with a report resealed to
+    name its bytes, so the gate lets it through to the wheel reader: every ending is in the table."""
+    import copy
+    import tempfile
+    import warnings
+
+    wheel, base = gated_wheel
+    with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
+        fuzzed = Path(tmp) / wheel.name
+        with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(fuzzed, "w") as dst, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # duplicate names are the point
+            for info in src.infolist() if keep else []:
+                dst.writestr(info, src.read(info))
+            for name, data in members:
+                dst.writestr(name, data)
+        body = copy.deepcopy(base)
+        body["server"]["artifact"]["sha256"] = sha256_file(fuzzed)
+        ending = _publish(root, Path(tmp), fuzzed, body)
+    ending.check()
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "words"),
+    [
+        (("timings", "total_s"), 2**70, "timings.total_s = 1180591620717411303424 is not a duration"),
+        (("timings", "scrape_before_s"), -1.5, "timings.scrape_before_s = -1.5 is not a duration"),
+        (("timings", "scrape_after_s"), "3", "timings.scrape_after_s = 3 is not a duration"),
+        (("serving", "tensor_parallel_size"), -0.0, "its serving.tensor_parallel_size is -0.0"),
+        (("serving", "num_speculative_tokens"), "3", 'its serving.num_speculative_tokens is "3", not the 3'),
+        (("serving", "concurrency"), 64, "its serving.concurrency is 64"),
+        (("serving", "observed_in_metrics"), 0, "serving.observed_in_metrics is not a mapping"),
+        (("sampling", "max_tokens"), None, "its sampling.max_tokens is null"),
+        (("serving", "source"), "made up", "its serving source 'made up' is not one validate writes"),
+    ],
+)
+def test_the_fuzzers_findings_are_refused_with_their_field(
+    gated_wheel: tuple[Path, dict[str, Any]], root: Path, tmp_path: Path, path: tuple[str, ...], value: Any, words: str
+) -> None:
+    """What the report fuzzer found publishing with exit 0 (issue 42: non-counter fields typed and bounded): a
+    resealed report whose timings are no durations, or whose serving or sampling sections are not the ones the
+    profile gives, is refused in one line naming the field. The control: the untouched report publishes."""
+    import copy
+
+    wheel, base = gated_wheel
+    assert _publish(root, tmp_path / "ok", wheel, copy.deepcopy(base)).code == 0
+    body = copy.deepcopy(base)
+    _set(body, path, value)
+    (tmp_path / "bad").mkdir()
+    ending = _publish(root, tmp_path / "bad", wheel, body)
+    ending.check()
+    errors = [line for line in ending.err.splitlines() if line.startswith("error:")]
+    assert ending.code == 12 and len(errors) == 1 and words in errors[0], ending.err

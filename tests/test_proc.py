@@ -31,3 +31,35 @@ def test_any_other_failure_keeps_the_callers_class_and_hint(capture: bool, tmp_p
         proc.call("dd", f"if={missing}", "of=/dev/null", capture=capture, error=ConformanceError, hint="h", quiet=True)
     assert not isinstance(info.value, StorageError)
     assert "No such file" in info.value.message and info.value.hint == "h"
+
+
+CHAINED = """
+import sys
+print("\\x1b[31mERROR\\x1b[0m  uploading failed", file=sys.stderr, flush=True)
+def inner():
+    raise ConnectionRefusedError(111, "Connection refused")
+try:
+    inner()
+except OSError as exc:
+    raise RuntimeError("Max retries exceeded with url: /legacy/") from exc
+"""
+
+
+@pytest.mark.parametrize("capture", [True, False])
+def test_a_childs_traceback_becomes_its_reason(capture: bool) -> None:
+    # A real Python child with a chained exception (twine's shape when its URL is unreachable, issue 42): the one-line
+    # error keeps what it said and the exception that ended it, never a frame, a colour code or the chain before it.
+    import sys
+
+    with pytest.raises(ConformanceError) as info:
+        proc.call(sys.executable, "-c", CHAINED, capture=capture, error=ConformanceError, hint="h", quiet=True)
+    message = info.value.message.split(" exited 1: ", 1)[1]  # the command itself quotes the script
+    assert message.endswith("ERROR  uploading failed; RuntimeError: Max retries exceeded with url: /legacy/"), message
+    for gone in ('File "', "raise ", "Traceback", "ConnectionRefusedError", "\x1b["):
+        assert gone not in message, (gone, message)
+
+
+def test_output_without_a_traceback_is_kept_as_it_came() -> None:
+    # the control: indented lines of a child that printed no trace are its words, not frames
+    lines = ["step 1", "  detail a", "  detail b", "failed: x"]
+    assert proc.tail_text(lines) == "detail a; detail b; failed: x"

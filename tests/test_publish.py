@@ -30,6 +30,7 @@ from vllm_dflash.report import key_from_env, seal, write
 from vllm_dflash.validate import metrics
 from vllm_dflash.validate.gates import judge
 from vllm_dflash.validate.promptsets import load_prompts, prompts_digest
+from vllm_dflash.validate.serving import sampling_conditions, serving_conditions
 
 PROFILE = "gate-test"
 PROFILE_TABLE = {
@@ -113,6 +114,8 @@ def make_report(
         "profile": {"name": prof.name, "sha256": prof.digest, **prof.definition},
         "prompts": {"set": prof.prompts, "count": len(prompts), "sha256": prompts_digest(prompts)},
         "exploratory": None,
+        "serving": serving_conditions(prof, "subprocess"),
+        "sampling": sampling_conditions(prof),
         "server": {
             "mode": "subprocess",
             "artifact": {"kind": "wheel", "name": "x.whl", "sha256": wheel_sha, "binding": "installed"},
@@ -405,6 +408,25 @@ def test_without_twine_an_upload_is_one_line(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "twine" else real(name, *a))
     with pytest.raises(ToolchainError, match="twine is not installed"):
         publish_wheel_twine(make_wheel(tmp_path / "w"), "https://upload.example/legacy/")
+
+
+def test_an_unreachable_upload_url_is_one_line_without_a_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Real twine against a port nothing listens on (issue 42): its traceback becomes its reason, one line, exit 5.
+    import socket
+
+    from vllm_dflash.errors import NetworkError
+    from vllm_dflash.publish import publish_wheel_twine
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: a refused connection, at once
+    monkeypatch.setenv("TWINE_USERNAME", "u")
+    monkeypatch.setenv("TWINE_PASSWORD", "p")
+    with pytest.raises(NetworkError) as info:
+        publish_wheel_twine(make_wheel(tmp_path / "w"), f"http://127.0.0.1:{port}/legacy/")
+    line = info.value.one_line()
+    assert info.value.return_code == 5 and "\n" not in line and "ConnectionError" in line, line
+    assert 'File "' not in line and "Traceback" not in line and "\x1b[" not in line, line
 
 
 def test_a_destination_that_cannot_be_written_is_refused_first(

@@ -20,6 +20,7 @@ from vllm_dflash.errors import PublishRefusedError
 from vllm_dflash.manifest import Profile, parse_profile
 from vllm_dflash.validate import metrics, verdict
 from vllm_dflash.validate.gates import condition_gates, judge
+from vllm_dflash.validate.serving import sampling_conditions, serving_conditions
 
 K = 3
 
@@ -60,6 +61,8 @@ def report(prof: Profile | None = None, **extra: Any) -> dict[str, Any]:
         "counters": {"before": before.as_dict(), "after": after.as_dict(), "delta": delta.as_dict()},
         "acceptance": acc.as_dict(),
         "server": {"artifact": {"sha256": "1" * 64}},
+        "serving": serving_conditions(prof, "subprocess"),
+        "sampling": sampling_conditions(prof),
         **extra,
     }
     gates = [*judge(prof, acc, match_rate, ref_al), *condition_gates(prof, delta, extra.get("mismatch_analysis"))]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -20,6 +21,9 @@ from vllm_dflash.errors import DISK_FULL_HINT, DflashError, StorageError
 
 TAIL_LINES = 3  # lines of a failed command's output that go into the one-line error
 TAIL_CHARS = 600  # and at most this much of them
+KEEP_LINES = 64  # kept while it runs, so a Python traceback's frames can be dropped and its reason still be there
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_TRACE_HEADS = ("Traceback (most recent call last):", "During handling of the above exception", "The above exception")
 # A child that runs out of disk fails for the reason our own writes would: say so, whatever the caller's hint guessed.
 DISK_FULL = ("No space left on device", "Disk quota exceeded")
 
@@ -43,8 +47,29 @@ def _tee(stream: IO[str], keep: collections.deque[str], disk_full: list[str]) ->
             disk_full.append(line.strip())  # seen anywhere in the output, not only in the kept tail
 
 
+def _reasons(lines: Sequence[str]) -> list[str]:
+    """The lines that say why, without colour codes and without a Python traceback's frames: a child's trace becomes
+    its exception line (`requests.exceptions.ConnectionError: ...`), never a trace inside our one-line error."""
+    plain = [_ANSI.sub("", line).rstrip() for line in lines]
+    if not any(line.startswith(_TRACE_HEADS) for line in plain):
+        return [line for line in plain if line.strip()]
+    said: list[str] = []  # the child's own words before any trace (the kept window may start inside one)
+    for line in plain:
+        if line.startswith(_TRACE_HEADS) or line[:1].isspace():
+            break
+        if line.strip():
+            said.append(line)
+    first = next(i for i, line in enumerate(plain) if line.startswith(_TRACE_HEADS))
+    # frames are indented ("  File ...", "    code", "    ^^^"); the last unindented line is the exception that ended
+    # it (earlier ones are the chain that led there)
+    ends = [
+        line for line in plain[first:] if line.strip() and not line[0].isspace() and not line.startswith(_TRACE_HEADS)
+    ]
+    return said + ends[-1:]
+
+
 def tail_text(lines: Sequence[str]) -> str:
-    text = "; ".join(line.strip() for line in lines[-TAIL_LINES:] if line.strip()) or "no output"
+    text = "; ".join(line.strip() for line in _reasons(lines)[-TAIL_LINES:]) or "no output"
     return text if len(text) <= TAIL_CHARS else "…" + text[-TAIL_CHARS:]
 
 
@@ -77,7 +102,7 @@ def call(
             lines = ((result.stderr or "") + (result.stdout or "")).strip().splitlines()
             disk_full.extend(line.strip() for line in lines if _disk_full(line))
         else:
-            keep: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+            keep: collections.deque[str] = collections.deque(maxlen=KEEP_LINES)
             with subprocess.Popen(
                 argv,
                 cwd=cwd,

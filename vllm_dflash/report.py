@@ -403,7 +403,14 @@ def system_problem(d: Counts, k: int, sent: int | None) -> str | None:
 
 
 def field_problem(data: Mapping[str, Any]) -> str | None:
-    """None when the report's non-counter numbers are typed and bounded (the throughput of its run)."""
+    """None when the report's non-counter numbers are typed and bounded (its timings and the throughput of its run)."""
+    timings = data.get("timings")
+    if timings is not None:
+        if not isinstance(timings, Mapping):
+            return "its timings are not an object"
+        for name, secs in timings.items():
+            if isinstance(secs, bool) or not isinstance(secs, int | float) or not 0 <= secs <= MAX_WALL_S:
+                return f"timings.{str(name)[:40]} = {str(secs)[:24]} is not a duration in 0..{MAX_WALL_S:g} s"
     found = data.get("throughput")
     if found is None:
         return None

@@ -78,7 +78,7 @@ def register(sub: Any) -> None:
 def our_code(args: argparse.Namespace) -> ours.OurCode:
     """Patch 0002 of the checkout; else a patched qwen3_dflash.py (--model-file, or the installed vLLM)."""
     if args.model_file is not None:
-        if not args.model_file.is_file():
+        if not args.model_file.exists():  # a FIFO or device is refused, with its kind, when it is read
             raise CheckpointError(f"--model-file {args.model_file}: no such file", "pass a patched qwen3_dflash.py")
         return ours.from_model_file(args.model_file)
     try:

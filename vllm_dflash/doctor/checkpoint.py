@@ -152,6 +152,11 @@ def _tensor_names(d: Path) -> tuple[str, ...] | None:
     index = d / INDEX
     if index.is_file():
         weight_map = read_json(index, "drafter").get("weight_map") or {}
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(
+                f"{index}: weight_map is not an object of tensor name -> shard file",
+                f"regenerate {INDEX} (transformers' save_pretrained writes it) or remove it",
+            )
         return tuple(sorted(weight_map))
     shards = sorted(d.glob("*.safetensors"))
     if not shards:

@@ -296,7 +296,7 @@ def loaded(raw: Mapping[str, Any], loader: str, build: str = STOCK) -> Loaded:
     mt = raw.get("model_type")
     if mt is None:
         return Loaded(error="vLLM refuses a config.json without model_type (transformers: Unrecognized model)")
-    if mt not in CONFIG_CLASSES:
+    if not isinstance(mt, str) or mt not in CONFIG_CLASSES:  # a list or object there is no key AutoConfig has
         return Loaded(error=f"model_type {json.dumps(mt)}: not a DFlash drafter's (qwen3; llama also loads)")
     name, fields = CONFIG_CLASSES[mt]
     got = _transformers(raw, fields, VLLM, name)

@@ -112,6 +112,26 @@ def _statement(lines: list[str], mark: str, where: str) -> ast.stmt:
     raise PatchError(f"{where}: no statement containing {mark!r}", "the patch changed shape: update vllm_dflash/doctor")
 
 
+MODEL_FILE_LIMIT = 4 << 20  # vLLM's qwen3_dflash.py is about 30 KB; a larger file is not it
+
+
+def _parse_source(path: Path) -> tuple[str, ast.Module]:
+    """A Python file given by the user (or found installed), read bounded; what is not Python is one line."""
+    from vllm_dflash.paths import read_bounded
+
+    hint = "pass a patched qwen3_dflash.py (vllm-dflash source prints the tree that has it)"
+    try:
+        text = read_bounded(path, MODEL_FILE_LIMIT, "model file", PatchError, hint).decode()
+        return text, ast.parse(text, str(path))
+    except FileNotFoundError:
+        raise PatchError(f"{path}: no such file", hint) from None
+    except UnicodeDecodeError:
+        raise PatchError(f"{path} is not UTF-8 text", hint) from None
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:  # ValueError: a NUL byte
+        where = f" at line {exc.lineno}" if isinstance(exc, SyntaxError) and exc.lineno else ""
+        raise PatchError(f"{path} is not Python{where}: {exc.__class__.__name__}", hint) from None
+
+
 def _compile(source: str, nodes: dict[str, ast.stmt]) -> Mapping[str, Any]:
     missing = [n for n in NAMES if n not in nodes]
     if missing:
@@ -127,7 +147,13 @@ def _compile(source: str, nodes: dict[str, ast.stmt]) -> Mapping[str, Any]:
         "dataclass": dataclass,
         "PretrainedConfig": _PretrainedConfig,
     }
-    exec(compile(module, source, "exec", dont_inherit=True), namespace)
+    try:
+        exec(compile(module, source, "exec", dont_inherit=True), namespace)
+    except Exception as exc:  # a default argument or decorator that raises while the definitions are made
+        raise PatchError(
+            f"{source}: defining {', '.join(NAMES)} raised {exc.__class__.__name__}",
+            "pass a patched qwen3_dflash.py that imports cleanly",
+        ) from None
     return namespace
 
 
@@ -163,8 +189,8 @@ def from_patches(patches_dir: Path) -> OurCode:
 
 def runner_tap(runner: Path) -> ast.stmt:
     """Patch 0001's tap statement as a patched `gpu_model_runner.py` contains it."""
-    text = runner.read_text()
-    for node in ast.walk(ast.parse(text)):
+    text, tree = _parse_source(runner)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and _TAP_MARK in (ast.get_source_segment(text, node) or ""):
             if "+ 1" in (ast.get_source_segment(text, node) or ""):
                 return node
@@ -174,9 +200,9 @@ def runner_tap(runner: Path) -> ast.stmt:
 def from_model_file(path: Path, runner: Path | None = None) -> OurCode:
     """The resolution as a patched `qwen3_dflash.py` contains it (the tree `vllm-dflash source` prints, or the
     installed vLLM of this build), with the tap shift from the same tree's `gpu_model_runner.py`."""
-    runner = runner or path.parents[2] / "v1" / "worker" / "gpu_model_runner.py"
-    text = path.read_text()
-    tree = ast.parse(text)
+    text, tree = _parse_source(path)
+    if runner is None and len(path.resolve().parents) > 2:  # vllm/model_executor/models/ -> vllm/v1/worker/
+        runner = path.resolve().parents[2] / "v1" / "worker" / "gpu_model_runner.py"
     nodes = _pick(tree.body)
     ids_check: ast.stmt | None = None
     for node in ast.walk(tree):
@@ -186,7 +212,7 @@ def from_model_file(path: Path, runner: Path | None = None) -> OurCode:
     if ids_check is None:
         raise PatchError(f"{path}: no top-level target_layer_ids check", "is this a patched qwen3_dflash.py?")
     source = str(path)
-    tap = runner_tap(runner) if runner.is_file() else None
+    tap = runner_tap(runner) if runner is not None and runner.is_file() else None
     return OurCode(source, tuple(nodes[n] for n in NAMES if n in nodes), ids_check, tap, _compile(source, nodes))
 
 

@@ -40,7 +40,7 @@ from vllm_dflash.validate.server import (
     launch_subprocess,
     use_endpoint,
 )
-from vllm_dflash.validate.serving import serving_conditions
+from vllm_dflash.validate.serving import sampling_conditions, serving_conditions
 
 __all__ = ["Prompt", "Verdict", "judge", "load_prompts", "render"]  # re-exported: their modules were split out
 
@@ -443,13 +443,7 @@ def validate(
         "prompts": {"set": sent_set, "count": len(prompts), "sha256": prompts_digest(prompts)},
         "exploratory": exploratory,  # why the report is not publishable whatever its verdict, or None
         "serving": serving_conditions(profile, choice.mode),
-        "sampling": {
-            "temperature": profile.temperature,
-            "max_tokens": profile.max_tokens,
-            "concurrency": profile.concurrency,
-            "chat_template_kwargs": profile.template_kwargs,
-            "thinking": profile.thinking,
-        },
+        "sampling": sampling_conditions(profile),
         "server": {"mode": choice.mode},
         "counters": None,
         "acceptance": None,

@@ -21,6 +21,7 @@ from vllm_dflash.manifest import Profile
 from vllm_dflash.report import ValidationReport, canonical_json
 from vllm_dflash.validate import metrics
 from vllm_dflash.validate.gates import Verdict, condition_gates, judge
+from vllm_dflash.validate.serving import conditions_difference
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,10 @@ def rejudge(data: Mapping[str, Any], profile: Profile) -> Rejudged | str:
     if problem is not None:
         return problem
     recorded = data.get("verdict")
+    if recorded in ("pass", "fail"):
+        problem = conditions_difference(data.get("serving"), data.get("sampling"), profile)
+        if problem is not None:
+            return problem
     if recorded not in ("pass", "fail"):
         said = data.get("error")
         return Rejudged(verdict="error", error=str(said)[:300] if said is not None else None)
