@@ -98,7 +98,9 @@ def run_in_process(*argv: str | Path, bound_s: int = BOUND_S) -> Ending:
     return Ending(args, code, out.getvalue(), err.getvalue(), trace)
 
 
-def run_subprocess(*argv: str | Path, bound_s: int = BOUND_S, cwd: Path | None = None) -> Ending:
+def run_subprocess(
+    *argv: str | Path, bound_s: int = BOUND_S, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> Ending:
     """The same through a real `python -m vllm_dflash` (the regression examples: what a shell user runs)."""
     args = tuple(str(a) for a in argv)
     try:
@@ -109,6 +111,7 @@ def run_subprocess(*argv: str | Path, bound_s: int = BOUND_S, cwd: Path | None =
             timeout=bound_s,
             check=False,
             cwd=cwd,
+            env=env,
         )
     except subprocess.TimeoutExpired as exc:
         return Ending(args, None, "", str(exc.stderr or ""), f"hung: still running after {bound_s} s")

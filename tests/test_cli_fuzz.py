@@ -189,3 +189,32 @@ def test_the_bound_catches_the_fifo_hang_once_its_guard_is_gone(
     hung = run_in_process("--root", REPO, "doctor", *args[1:], bound_s=2)
     assert hung.code is None and "still running after 2 s" in hung.trace, hung
     assert BOUND_S > 2
+
+
+def _mutated_env(tmp_path: Path, patch: str) -> dict[str, str]:
+    """An environment whose interpreter runs PATCH at start-up (a sitecustomize on PYTHONPATH): a mutation of the
+    installed code that only a real process can carry."""
+    site = tmp_path / "mutant-site"
+    site.mkdir(parents=True)
+    (site / "sitecustomize.py").write_text(patch)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_the_process_judge_catches_a_trace_and_the_fifo_hang(tmp_path: Path) -> None:
+    """The subprocess runner fails when it should: a main() that raises prints a traceback, and weights opened
+    without the regular-file check hang until the bound kills the process. The control: the same inputs through the
+    unmutated code end in the table."""
+    args = _case("fifo-weights", tmp_path)
+    control = run_subprocess("--root", REPO, *args, cwd=tmp_path)
+    assert control.problems() == [] and control.code == CLASSES["fifo-weights"], control
+
+    raising = _mutated_env(tmp_path / "a", "import vllm_dflash.cli as c\n"
+                           "def main(argv=None):\n    raise RuntimeError('mutant')\n"
+                           "c.main = main\n")  # fmt: skip
+    traced = run_subprocess("--root", REPO, *args, cwd=tmp_path, env=raising)
+    assert "printed a traceback" in traced.problems(), traced
+
+    opens_anything = "lambda path, what, error=None, hint='': os.open(path, os.O_RDONLY)"
+    unguarded = _mutated_env(tmp_path / "b", f"import os, vllm_dflash.paths as p\np.open_regular = {opens_anything}\n")
+    hung = run_subprocess("--root", REPO, *args, cwd=tmp_path, env=unguarded, bound_s=5)
+    assert hung.code is None and "still running after 5 s" in hung.trace, hung

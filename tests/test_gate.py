@@ -1017,13 +1017,16 @@ def test_each_request_gets_its_own_connection(manifest: Any, fake: tuple[str, Fa
 
 # --- issue 42's fuzz tier: reports and wheels through `publish`, every ending in the documented table -------------
 
-from cli_fuzz import run_in_process  # noqa: E402
+from cli_fuzz import Ending, run_in_process, run_subprocess  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 FUZZ = settings(
     max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
+# The same strategies through a real `python -m vllm_dflash` per example (~1 s each): what a shell user meets,
+# interpreter start, stderr and exit status included.
+FUZZ_PROCESS = settings(FUZZ, max_examples=12)
 # Values a hostile report puts in a leaf: the boundaries of every rule (negative, huge, fractional, 2^70, wrong type).
 ODD_VALUES: st.SearchStrategy[Any] = st.one_of(
     st.integers(min_value=-(2**80), max_value=2**80),
@@ -1055,11 +1058,13 @@ def gated_wheel(validated: Callable[..., Path], root: Path, tmp_path: Path) -> t
     return wheel, body
 
 
-def _publish(root: Path, tmp: Path, wheel: Path, body: dict[str, Any]) -> Any:
+def _publish(
+    root: Path, tmp: Path, wheel: Path, body: dict[str, Any], run: Callable[..., Ending] = run_in_process
+) -> Ending:
     report = tmp / "r.json"
     write(seal(body, key_from_env()), report, key_from_env())
-    return run_in_process("--root", root, "publish", wheel, "--report", report, "--to", tmp / "index",
-                          "--accept-declared-binding")  # fmt: skip
+    return run("--root", root, "publish", wheel, "--report", report, "--to", tmp / "index",
+               "--accept-declared-binding")  # fmt: skip
 
 
 @FUZZ
@@ -1069,6 +1074,24 @@ def test_fuzzed_reports_through_publish_end_in_the_table(
 ) -> None:
     """One to three leaves of a passing report replaced by odd values and the report sealed again (as anyone without
     the key can): publish ends with a documented code, one line, no trace, in bound."""
+    _fuzz_report(gated_wheel, root, tmp_path, data, run_in_process)
+
+
+@FUZZ_PROCESS
+@given(data=st.data())
+def test_fuzzed_reports_through_a_publish_process_end_in_the_table(
+    gated_wheel: tuple[Path, dict[str, Any]], root: Path, tmp_path: Path, data: st.DataObject
+) -> None:
+    _fuzz_report(gated_wheel, root, tmp_path, data, run_subprocess)
+
+
+def _fuzz_report(
+    gated_wheel: tuple[Path, dict[str, Any]],
+    root: Path,
+    tmp_path: Path,
+    data: st.DataObject,
+    run: Callable[..., Ending],
+) -> None:
     import copy
     import tempfile
 
@@ -1078,7 +1101,7 @@ def test_fuzzed_reports_through_publish_end_in_the_table(
     for path in data.draw(st.lists(st.sampled_from(paths), min_size=1, max_size=3, unique=True)):
         _set(body, path, data.draw(ODD_VALUES))
     with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
-        ending = _publish(root, Path(tmp), wheel, body)
+        ending = _publish(root, Path(tmp), wheel, body, run)
     ending.check()
 
 
@@ -1102,6 +1125,25 @@ def test_fuzzed_wheels_through_publish_end_in_the_table(
 ) -> None:
     """A wheel zip rebuilt from odd members (on top of the real ones, or instead of them), with a report resealed to
     name its bytes, so the gate lets it through to the wheel reader: every ending is in the table."""
+    _fuzz_wheel(gated_wheel, root, tmp_path, members, keep, run_in_process)
+
+
+@FUZZ_PROCESS
+@given(members=st.lists(st.tuples(_MEMBERS, _BODIES), max_size=6), keep=st.booleans())
+def test_fuzzed_wheels_through_a_publish_process_end_in_the_table(
+    gated_wheel: tuple[Path, dict[str, Any]], root: Path, tmp_path: Path, members: list[tuple[str, bytes]], keep: bool
+) -> None:
+    _fuzz_wheel(gated_wheel, root, tmp_path, members, keep, run_subprocess)
+
+
+def _fuzz_wheel(
+    gated_wheel: tuple[Path, dict[str, Any]],
+    root: Path,
+    tmp_path: Path,
+    members: list[tuple[str, bytes]],
+    keep: bool,
+    run: Callable[..., Ending],
+) -> None:
     import copy
     import tempfile
     import warnings
@@ -1117,7 +1159,7 @@ def test_fuzzed_wheels_through_publish_end_in_the_table(
                 dst.writestr(name, data)
         body = copy.deepcopy(base)
         body["server"]["artifact"]["sha256"] = sha256_file(fuzzed)
-        ending = _publish(root, Path(tmp), fuzzed, body)
+        ending = _publish(root, Path(tmp), fuzzed, body, run)
     ending.check()
 
 
