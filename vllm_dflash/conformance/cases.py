@@ -55,7 +55,12 @@ FEATURES: tuple[str, ...] = (FEATURE_TAPS, FEATURE_WINDOW, FEATURE_CAUSAL_WINDOW
 # cache. A pin whose queue fixes it (patch 0004's X-Fixes) runs the evict-* cases; on the others the sliding layers
 # keep the whole context, as on stock, and those cases are not part of the pin's set.
 FIX_KV_WINDOW = "kv-window"
-QUEUE_FIXES: tuple[str, ...] = (*FEATURES, FIX_KV_WINDOW)
+# Nor is this one: a prefix-cache hit keeps its last matched KV block (0.20.1 drops it for every method that reads
+# hidden states, as EAGLE needs; vllm#53505 exempts DFlash in 0.33). Judged on the prefix cases from the blocks the
+# real KV-cache manager matched: where the pin's queue fixes it, a hit is every whole block an earlier call computed;
+# elsewhere, stock included, one block fewer.
+FIX_PREFIX_BLOCK = "prefix-block"
+QUEUE_FIXES: tuple[str, ...] = (*FEATURES, FIX_KV_WINDOW, FIX_PREFIX_BLOCK)
 
 # Negative-control oracles (see oracle.py): each must DISAGREE with the patched build on the cases that list it.
 NEG_TAP_INPUT = "tap-input"  # hidden_states[L] instead of [L+1]: vLLM 0.20.1's tap
