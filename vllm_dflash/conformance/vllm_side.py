@@ -407,7 +407,9 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
     )
     if case.get("kv_block_size"):
         llm_kwargs["block_size"] = int(case["kv_block_size"])
-    if device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # that (legacy, whole GiB) would override it
+    # A fixed cache on every device: on a GPU the default (0.9 of its memory) would leave nothing for the next case's
+    # engine in this process. VLLM_CPU_KVCACHE_SPACE (legacy, whole GiB) overrides it on CPU.
+    if not (device == "cpu" and os.environ.get("VLLM_CPU_KVCACHE_SPACE")):
         llm_kwargs["kv_cache_memory_bytes"] = int(case.get("kv_cache_bytes") or CPU_KV_CACHE_BYTES)
     if case.get("refusal"):
         return check_refusal(case_dir, out_path, llm_kwargs, case["refusal"])
