@@ -442,11 +442,12 @@ def test_upstream_against_a_pin_cites_the_stock_run(tmp_path: Path) -> None:
     assert sha256_file(report) == ev["report_sha256"]
     assert json.loads(report.read_text())["pin"] == "0.23.0"
     by = {p["patch"]: p for p in ev["patches"]}
-    taps, windows, cpu, kv, log = (by[n] for n in sorted(by))
+    taps, windows, cpu, kv, log, prefix = (by[n] for n in sorted(by))
     assert taps["verdict"] == "retired" and "full pass" in taps["why"], taps
     assert windows["verdict"] == "needed" and cpu["verdict"] == "needed", (windows, cpu)
     # No stock evidence case judges the drafter's KV layout; the block log names no fix: both stay unproven.
     assert kv["verdict"] == log["verdict"] == "unproven" and "kv-window" in kv["why"], (kv, log)
+    assert prefix["verdict"] == "unproven" and "prefix-block" in prefix["why"], prefix  # no stock evidence case either
     assert ev["stock"] == {"full": "pass", "mixed": "fail", "window-only": "fail", "use-swa": "fail"}
     assert f"report {report} (sha256 {ev['report_sha256'][:16]})" in run.stdout
 
