@@ -198,6 +198,10 @@ MUTANTS: list[tuple[str, str, str]] = [
     (K, '            cap = (int(g["window"]) - 1 + 2 * k) // int(g["block_size"]) + 2', "            cap = 10**9"),
     (K, "    if spec.min_prefill_chunks and not any(", "    if False and not any("),
     (K, "    if spec.prefix_caching and not any(", "    if False and not any("),
+    # conformance/compare.py: prefix_problems, patch 0006's judge (issue 40)
+    (K, "        want = int(bound) if keeps else max(int(bound) - block, 0)", "        want = int(bound)"),
+    (K, "    keeps = build in PASSING_BUILDS and C.FIX_PREFIX_BLOCK in fixed", "    keeps = build in PASSING_BUILDS"),
+    (K, "    if not any(int(b) >= 2 * block for b in bounds.values()):", "    if False:"),
     # issue 42: the doctor's last tracebacks and a child's trace inside a one-line error
     (
         "vllm_dflash/doctor/checkpoint.py",

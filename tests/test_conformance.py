@@ -1302,3 +1302,61 @@ def test_patched_drafter_resolves_every_spelling_and_refuses_inexact_backends(ma
             assert f"the {backend} attention backend cannot apply this window exactly" in refusal
             assert "--attention-backend FLASH_ATTN or CPU_ATTN" in refusal
         assert "is_causal" in sym and "dflash_config.causal" in causal_full
+
+
+# --- patch 0006: a DFlash prefix-cache hit keeps its last matched block ----------------------------------------------
+
+
+def test_prefix_hit_bounds_count_whole_blocks_an_earlier_call_computed() -> None:
+    from vllm_dflash.conformance.oracle import prefix_hit_bounds
+
+    a = list(range(100, 175))  # 75-token prompt
+    b = a[:70] + list(range(300, 313))  # shares 70 tokens with a
+    out_a, out_b = [1] * 16, [2] * 16
+    seqs = [a + out_a, b + out_b, a + out_a, b + out_b]  # two rounds, one prompt per call
+    lens = [75, 83, 75, 83]
+    # request 0: nothing before it; 1: 70 shared tokens -> 2 blocks of 32; 2 and 3: their whole prompt less its last
+    # token -> 74 and 82 tokens -> 2 blocks each
+    assert prefix_hit_bounds(seqs, lens, 1, 32) == {"0": 0, "1": 64, "2": 64, "3": 64}
+    assert prefix_hit_bounds(seqs, lens, 1, 16) == {"0": 0, "1": 64, "2": 64, "3": 80}
+    # batched: requests of one call never match each other
+    assert prefix_hit_bounds(seqs, lens, 2, 16) == {"0": 0, "1": 0, "2": 64, "3": 80}
+    # an earlier request's last token was never fed back: it computed no KV for it
+    assert prefix_hit_bounds([[5] * 9, [5] * 20], [8, 20], 1, 4) == {"0": 0, "1": 8}
+
+
+def test_prefix_case_keeps_the_last_block_where_the_queue_fixes_it_and_drops_it_elsewhere() -> None:
+    """The rule on the prefix-cached case: with FIX_PREFIX_BLOCK in the queue the patched build's hits are the
+    oracle's bounds; stock (and a queue without the fix) match one block less. Each reading fails on the other's
+    counters, and a case whose hits span under two blocks is refused as unable to tell."""
+    spec = C.get_cases(["prefix-cached"])[0]
+    assert spec.prefix_caching and not spec.batched and not spec.evict and spec.kv_block_size == 32
+    bounds = {"0": 0, "1": 64, "2": 64, "3": 64}
+    kept = {"0": 0, "1": 64, "2": 64, "3": 64}
+    dropped = {"0": 0, "1": 32, "2": 32, "3": 32}
+    fixed, unfixed = compare.ALL_FIXED, compare.ALL_FIXED - {C.FIX_PREFIX_BLOCK}
+
+    def problems(build: str, hits: dict[str, int], fixes: frozenset[str]) -> list[str]:
+        return compare.prefix_problems(spec, build, {"prefix_hits": hits, "prefix_hit_bounds": bounds}, fixes)
+
+    assert problems("patched", kept, fixed) == []
+    assert problems("stock", dropped, fixed) == []
+    assert problems("patched", dropped, unfixed) == []
+    assert problems("patched", dropped, fixed) == [
+        f"request {r}: the KV-cache manager matched 32 prefix tokens, 64 with every matched block kept" for r in "123"
+    ]
+    assert problems("stock", kept, fixed)[0] == (
+        "request 1: the KV-cache manager matched 64 prefix tokens, 32 with the last matched block dropped"
+    )
+    assert problems("patched", {}, fixed)[0].startswith("request 0: the KV-cache manager matched None")
+    small = compare.prefix_problems(spec, "patched", {"prefix_hits": {"0": 32}, "prefix_hit_bounds": {"0": 32}}, fixed)
+    assert small == ["no request could match two KV blocks (32 tokens each): keeping and dropping look alike"]
+    # Not judged: cases without prefix caching, batched or eviction cases, metrics without the oracle's bounds.
+    assert compare.prefix_problems(C.get_cases(["full"])[0], "patched", {"prefix_hit_bounds": bounds}, fixed) == []
+    assert compare.prefix_problems(spec, "patched", {}, fixed) == []
+    # judge() carries it: the patched build's verdict fails on dropped hits
+    metrics = {**_metrics(spec, 5e-6), "prefix_hits": dropped, "prefix_hit_bounds": bounds,
+               "prefix_cache_hits_by_round": [32, 96]}  # fmt: skip
+    out = compare.judge(spec, "patched", metrics, C.TOLERANCES["cpu"], fixed=fixed)
+    assert out.status == "fail" and any("every matched block kept" in r for r in out.reasons)
+    assert out.prefix_hits_vs_bound == ("0/0", "32/64", "32/64", "32/64")

@@ -27,6 +27,7 @@ SWA = "0002-dflash-sliding-window-layers.patch"
 CPU = "0003-cpu-attn-causal-window.patch"
 KV = "0004-dflash-drafter-kv-cache-by-window.patch"
 LOG = "0005-scheduler-log-kv-blocks-held.patch"
+PREFIX = "0006-dflash-keep-last-prefix-block.patch"
 CPU_QUEUE = (
     "0001-cpu-rejection-sampler-kwargs.patch",
     "0002-cpu-runner-aux-hidden-state-layers.patch",
@@ -70,7 +71,7 @@ def tree_0220(manifest: Manifest, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 def test_series_order_and_files(queue: dict[str, Patch]) -> None:
-    assert list(queue) == [TAP, SWA, CPU, KV, LOG]
+    assert list(queue) == [TAP, SWA, CPU, KV, LOG, PREFIX]
     assert set(queue[TAP].files) == {
         "vllm/v1/worker/gpu_model_runner.py",
         "vllm/transformers_utils/configs/speculators/algos.py",
@@ -83,6 +84,7 @@ def test_series_order_and_files(queue: dict[str, Patch]) -> None:
         "vllm/envs.py",
     }
     assert set(queue[LOG].files) == {"vllm/v1/core/sched/scheduler.py", "vllm/envs.py"}
+    assert set(queue[PREFIX].files) == {"vllm/v1/core/sched/scheduler.py"}
 
 
 def test_cpu_queue_order_and_files(cpu_queue: dict[str, Patch], queue: dict[str, Patch]) -> None:
@@ -92,7 +94,7 @@ def test_cpu_queue_order_and_files(cpu_queue: dict[str, Patch], queue: dict[str,
     assert "vllm/v1/attention/backends/cpu_attn.py" in touched  # shared file: hunks checked on the real tree
 
 
-@pytest.mark.parametrize("name", [TAP, SWA, CPU, KV, LOG, *(f"cpu/{n}" for n in CPU_QUEUE)])
+@pytest.mark.parametrize("name", [TAP, SWA, CPU, KV, LOG, PREFIX, *(f"cpu/{n}" for n in CPU_QUEUE)])
 def test_patch_is_format_patch_with_dep3_headers(manifest: Manifest, name: str) -> None:
     patch = load_patch(manifest.patches_dir / name)
     text = patch.path.read_text()
@@ -118,6 +120,9 @@ def test_headers_record_upstream_status(queue: dict[str, Patch]) -> None:
     kv = queue[KV].headers
     assert "V1 proposer supports drafters in several KV-cache groups" in kv["Drop-When"]
     assert "#47914" in kv["Applied-Upstream"] and "50169" in kv["Bug"]
+    prefix = queue[PREFIX].headers
+    assert "0.33.0" in prefix["Applied-Upstream"] and "53505" in prefix["Applied-Upstream"] + prefix["Bug"]
+    assert "0.33.0" in prefix["Drop-When"] and prefix["X-Fixes"] == "prefix-block"
 
 
 def test_cpu_queue_headers_say_how_long_each_fix_is_needed(cpu_queue: dict[str, Patch]) -> None:
@@ -167,7 +172,7 @@ def test_cpu_queue_stays_out_of_the_dflash_hunks(queue: dict[str, Patch], cpu_qu
 @pytest.mark.slow
 def test_queue_applies_exactly_on_0201_sdist(sdist_tree, queue: dict[str, Patch]) -> None:  # type: ignore[no-untyped-def]
     checks = check_series(sdist_tree.path, list(queue.values()), ref=sdist_tree.base)
-    assert [c.state for c in checks] == [PatchState.APPLIES] * 5, [(c.patch.name, c.failures) for c in checks]
+    assert [c.state for c in checks] == [PatchState.APPLIES] * len(queue), [(c.patch.name, c.failures) for c in checks]
 
 
 @pytest.mark.slow
@@ -232,6 +237,9 @@ def test_patched_sources_compile_and_carry_the_fix(work_tree, queue: dict[str, P
     assert '"VLLM_DFLASH_FULL_DRAFTER_KV": lambda' in (root / "vllm/envs.py").read_text()
     scheduler = (root / "vllm/v1/core/sched/scheduler.py").read_text()
     assert "if envs.VLLM_DFLASH_LOG_KV_BLOCKS:" in scheduler and '"KV blocks held at finish: %s"' in scheduler
+    # 0006: the KV-cache manager (and the Mamba-aligned split) drop the last prefix block only for non-DFlash methods
+    assert 'self.drop_last_prefix_block = speculative_config.method != "dflash"' in scheduler
+    assert "use_eagle=self.drop_last_prefix_block," in scheduler and "use_eagle=self.use_eagle," not in scheduler
     assert '_DFLASH_EXACT_WINDOW_BACKENDS = ("FLASH_ATTN", "CPU_ATTN")' in model
     assert '"DFlash drafter attention: %s"' in model  # the per-layer log line at drafter load
     cpu = (root / "vllm/v1/attention/backends/cpu_attn.py").read_text()

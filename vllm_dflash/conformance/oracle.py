@@ -327,6 +327,11 @@ class CaseMetrics:
     kv_layout: dict[str, Any] | None = None
     kv_blocks: dict[str, list[list[int]]] = field(default_factory=dict)
     kv_reused: int = 0
+    # Prefix caching: per request, the tokens vLLM's KV-cache manager matched (from the recorder), and the most any
+    # lookup can match (`prefix_hit_bounds`): every whole KV block of the prompt that an earlier call computed, short
+    # of the prompt's last token (its logits are needed).
+    prefix_hits: dict[str, int] = field(default_factory=dict)
+    prefix_hit_bounds: dict[str, int] = field(default_factory=dict)
     elapsed_s: float = 0.0  # the oracle's time on this trace
 
 
@@ -534,12 +539,36 @@ def evaluate(
     m.kv_layout = summary.get("kv_layout")
     m.kv_blocks = dict(summary.get("kv_blocks") or {})
     m.kv_reused = int(summary.get("kv_reused", 0))
+    if case.enable_prefix_caching and case.kv_block_size:
+        m.prefix_hits = {str(k): int(v) for k, v in (summary.get("kv_prefix_hits") or {}).items()}
+        seqs = [case.prompts[p] + (outputs[r] if r < len(outputs) else []) for r, p in enumerate(request_prompts)]
+        per_call = len(case.prompts) if case.batched else 1
+        lens = [len(case.prompts[p]) for p in request_prompts]
+        m.prefix_hit_bounds = prefix_hit_bounds(seqs, lens, per_call, case.kv_block_size)
     m.num_drafts = int(summary.get("num_drafts", 0))
     m.num_draft_tokens = int(summary.get("num_draft_tokens", 0))
     m.num_accepted_tokens = int(summary.get("num_accepted_tokens", 0))
     if m.num_drafts:
         m.acceptance_length = 1 + m.num_accepted_tokens / m.num_drafts
     return m
+
+
+def prefix_hit_bounds(seqs: list[list[int]], prompt_lens: list[int], per_call: int, block: int) -> dict[str, int]:
+    """Per request (its whole sequence, prompt first, in submission order, `per_call` requests per generate call):
+    the tokens of its prompt held by whole KV blocks of an earlier call's requests, at most its prompt less one. An
+    earlier request computed KV for all of its sequence but the last token (never fed back)."""
+    out: dict[str, int] = {}
+    for r, seq in enumerate(seqs):
+        prompt = seq[: prompt_lens[r]]
+        best = 0
+        for j in range(r // per_call * per_call):
+            done = seqs[j][: len(seqs[j]) - 1]
+            n = 0
+            while n < min(len(prompt), len(done)) and prompt[n] == done[n]:
+                n += 1
+            best = max(best, n)
+        out[str(r)] = min(best, len(prompt) - 1) // block * block
+    return out
 
 
 @dataclass

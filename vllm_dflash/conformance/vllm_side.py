@@ -20,8 +20,9 @@ One JSON line per proposal:
      vocab), "draft_ids" (k, what vLLM proposed)}
 then {"summary": {"outputs", "request_prompts", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
 "accepted_per_pos", "prefix_cache_hits", "num_proposals_recorded", "proposals_by_kind", "kv_layout", "kv_blocks",
-"kv_reused", ...}}. The KV-cache fields come from the recorder's scheduler-side records: the groups (which hold drafter
-layers, their spec and window) with vLLM's own per-request bytes and maximum concurrency, and per request, at every
+"kv_prefix_hits" (per request, the tokens its first slot allocation found cached), "kv_reused", ...}}. The
+KV-cache fields come from the recorder's scheduler-side records: the groups (which hold drafter layers, their spec
+and window) with vLLM's own per-request bytes and maximum concurrency, and per request, at every
 slot allocation, [tokens with KV after the step, tokens allocated (with lookahead), blocks held per group].
 
 A case whose config the build must refuse (case.json "refusal") records, instead of proposals, whether vLLM refused to
@@ -215,6 +216,18 @@ def kv_blocks_by_request(records: list[dict[str, Any]], requests: list[Request])
     return out
 
 
+def prefix_hits_by_request(records: list[dict[str, Any]], requests: list[Request]) -> dict[int, int]:
+    """Per request of one generate call (by index): the tokens its first slot allocation found computed, which is
+    what the KV-cache manager's prefix-cache lookup matched (a fresh request has computed nothing else)."""
+    by_sha = {prompt_sha(r.prompt): r.index for r in requests}
+    out: dict[int, int] = {}
+    for rec in records:
+        alloc = rec.get("alloc")
+        if alloc and alloc.get("prompt_sha") in by_sha:
+            out.setdefault(by_sha[alloc["prompt_sha"]], int(alloc["computed"]))
+    return out
+
+
 def prompt_sha(ids: list[int]) -> str:
     """The prompt fingerprint the recorder writes (recorder.prompt_sha computes it the same way)."""
     return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
@@ -394,7 +407,9 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
     )
     if case.get("kv_block_size"):
         llm_kwargs["block_size"] = int(case["kv_block_size"])
-    if device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # that (legacy, whole GiB) would override it
+    # A fixed cache on every device: on a GPU the default (0.9 of its memory) would leave nothing for the next case's
+    # engine in this process. VLLM_CPU_KVCACHE_SPACE (legacy, whole GiB) overrides it on CPU.
+    if not (device == "cpu" and os.environ.get("VLLM_CPU_KVCACHE_SPACE")):
         llm_kwargs["kv_cache_memory_bytes"] = int(case.get("kv_cache_bytes") or CPU_KV_CACHE_BYTES)
     if case.get("refusal"):
         return check_refusal(case_dir, out_path, llm_kwargs, case["refusal"])
@@ -427,6 +442,7 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
     hits_after_round: list[int] = []
     t1 = time.perf_counter()
     kv_blocks: dict[int, list[list[int]]] = {}
+    prefix_hits: dict[int, int] = {}
     for n, call in enumerate(calls):
         before = len(_read_records(record_file))
         kv_before = len(kv_records(record_file))
@@ -442,6 +458,7 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
         requests.extend(reqs)
         assigned.extend(assign_blocks(_read_records(record_file)[before:], reqs, case.get("name", case_dir.name)))
         kv_blocks.update(kv_blocks_by_request(kv_records(record_file)[kv_before:], reqs))
+        prefix_hits.update(prefix_hits_by_request(kv_records(record_file)[kv_before:], reqs))
         if (n + 1) % max(1, len(calls) // int(case.get("rounds", 1))) == 0:
             hits_after_round.append(_spec_metrics(llm)["prefix_cache_hits"])
     t_gen = time.perf_counter() - t1
@@ -495,6 +512,7 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
         "prefix_cache_hits_by_round": hits_after_round,
         "kv_layout": layouts[-1] if layouts else None,
         "kv_blocks": {str(i): rows for i, rows in sorted(kv_blocks.items())},
+        "kv_prefix_hits": {str(i): hit for i, hit in sorted(prefix_hits.items())},
         "kv_reused": max((int(r["alloc"]["reused"]) for r in kv_all if "alloc" in r), default=0),
         "executor": "mp" if int(case.get("tensor_parallel_size", 1)) > 1 else executor,
         "engine_core": "process" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1" else "in-process",
