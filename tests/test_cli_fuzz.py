@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,16 @@ JUNK = st.one_of(
 )  # fmt: skip
 
 
+# The same strategies through a real `python -m vllm_dflash doctor` per example (about a second each).
+FUZZ_PROCESS = settings(FUZZ, max_examples=12)
+
+
 def doctor(*args: str | Path) -> Ending:
     return run_in_process("--root", REPO, "doctor", *args)
+
+
+def doctor_process(*args: str | Path) -> Ending:
+    return run_subprocess("--root", REPO, "doctor", *args)
 
 
 JUNK_FIELDS = [*sorted(Q36), "swa_window_size", "auto_map", "quantization_config", "dflash_config", "weight_map"]
@@ -43,9 +52,21 @@ JUNK_FIELDS = [*sorted(Q36), "swa_window_size", "auto_map", "quantization_config
 @given(cfg=drafter_configs(), junk=st.dictionaries(st.sampled_from(JUNK_FIELDS), JUNK, max_size=2))
 def test_fuzzed_drafter_configs_end_in_the_table(tmp_path: Path, cfg: dict[str, Any], junk: dict[str, Any]) -> None:
     """The differential strategy's configs (every attention field's spellings), with up to two fields made junk."""
+    _fuzz_config(tmp_path, cfg, junk, doctor)
+
+
+@FUZZ_PROCESS
+@given(cfg=drafter_configs(), junk=st.dictionaries(st.sampled_from(JUNK_FIELDS), JUNK, max_size=2))
+def test_fuzzed_drafter_configs_through_a_process_end_in_the_table(
+    tmp_path: Path, cfg: dict[str, Any], junk: dict[str, Any]
+) -> None:
+    _fuzz_config(tmp_path, cfg, junk, doctor_process)
+
+
+def _fuzz_config(tmp_path: Path, cfg: dict[str, Any], junk: dict[str, Any], run: Callable[..., Ending]) -> None:
     with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps({**cfg, **junk}))
-        doctor(tmp).check()
+        run(tmp).check()
 
 
 # An HF cache: refs/main (a hash, junk, too long, absent), a snapshot whose config.json is a file, a symlink into
@@ -77,6 +98,20 @@ def _weights(snap: Path, kind: str) -> None:
 def test_fuzzed_hf_caches_end_in_the_table(
     tmp_path: Path, refs: Any, config: str, weights: str, snapshots: int, second_ref: bool
 ) -> None:
+    _fuzz_cache(tmp_path, refs, config, weights, snapshots, second_ref, doctor)
+
+
+@FUZZ_PROCESS
+@given(refs=REFS, config=CONFIG_KIND, weights=WEIGHTS, snapshots=st.integers(0, 2), second_ref=st.booleans())
+def test_fuzzed_hf_caches_through_a_process_end_in_the_table(
+    tmp_path: Path, refs: Any, config: str, weights: str, snapshots: int, second_ref: bool
+) -> None:
+    _fuzz_cache(tmp_path, refs, config, weights, snapshots, second_ref, doctor_process)
+
+
+def _fuzz_cache(
+    tmp_path: Path, refs: Any, config: str, weights: str, snapshots: int, second_ref: bool, run: Callable[..., Ending]
+) -> None:
     with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
         repo = Path(tmp) / "hub" / "models--z-lab--Qwen3.6-27B-DFlash"
         (repo / "blobs").mkdir(parents=True)
@@ -101,7 +136,7 @@ def test_fuzzed_hf_caches_end_in_the_table(
             (repo / "refs" / "main").write_bytes(refs if isinstance(refs, bytes) else refs.encode())
             if second_ref:
                 (repo / "refs" / "pr").mkdir()
-        doctor(repo).check()
+        run(repo).check()
 
 
 # --- issue 42's classes as regression examples, through a real interpreter ------------------------------------
