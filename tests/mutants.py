@@ -198,6 +198,8 @@ MUTANTS: list[tuple[str, str, str]] = [
     (K, '            cap = (int(g["window"]) - 1 + 2 * k) // int(g["block_size"]) + 2', "            cap = 10**9"),
     (K, "    if spec.min_prefill_chunks and not any(", "    if False and not any("),
     (K, "    if spec.prefix_caching and not any(", "    if False and not any("),
+    # conformance/compare.py: a new run never prunes a run another process holds (found by a CI run losing its traces)
+    (K, "        if not _in_use(stale):\n", "        if True:\n"),
     # conformance/compare.py: prefix_problems, patch 0006's judge (issue 40)
     (K, "        want = int(bound) if keeps else max(int(bound) - block, 0)", "        want = int(bound)"),
     (K, "    keeps = build in PASSING_BUILDS and C.FIX_PREFIX_BLOCK in fixed", "    keeps = build in PASSING_BUILDS"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -1203,6 +1204,7 @@ def test_cli_refuses_a_missing_wheel_with_one_line(tmp_path: Path) -> None:
 
 _RESOLVE_SCRIPT = r"""
 import json
+import os
 from types import SimpleNamespace
 
 from transformers import Qwen3Config
@@ -1360,3 +1362,41 @@ def test_prefix_case_keeps_the_last_block_where_the_queue_fixes_it_and_drops_it_
     out = compare.judge(spec, "patched", metrics, C.TOLERANCES["cpu"], fixed=fixed)
     assert out.status == "fail" and any("every matched block kept" in r for r in out.reasons)
     assert out.prefix_hits_vs_bound == ("0/0", "32/64", "32/64", "32/64")
+
+
+def test_a_new_run_never_removes_a_run_another_process_is_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KEEP_RUNS prunes the oldest run directories, but not one a live run holds (found when a second conformance
+    run deleted a CI run's traces mid-run). The control: the same directory, once its holder exits, is removed."""
+    import time as _time
+
+    monkeypatch.setattr(compare, "conformance_dir", lambda: tmp_path)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    old = []
+    for i in range(compare.KEEP_RUNS):
+        d = runs / f"cpu-old{i}"
+        d.mkdir()
+        if i == 0:
+            (d / compare.RUN_LOCK).touch()
+        os.utime(d, (1000 + i, 1000 + i))
+        old.append(d)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('held', flush=True); time.sleep(60)", str(old[0] / compare.RUN_LOCK)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        mine = compare.new_run_dir("cpu")  # one over the bound: the oldest would go, but a live run holds it
+        assert old[0].is_dir(), "a run held by a live process was removed"
+        assert all(d.is_dir() for d in old[1:])
+        assert compare._in_use(mine) is True  # this process holds its own run against other pruners
+    finally:
+        holder.kill()
+        holder.wait()
+    _time.sleep(0.05)
+    compare.new_run_dir("cpu")  # two over: the two oldest go, the one whose holder has exited among them
+    assert not old[0].exists(), "the holder has exited: its run is an old one like any other"
+    assert not old[1].exists() and old[2].is_dir() and old[3].is_dir() and mine.is_dir()

@@ -177,16 +177,40 @@ ALL_FIXED = frozenset(C.QUEUE_FIXES)
 
 
 KEEP_RUNS = 4  # per device: older run directories (traces, metrics) are removed when a new run starts
+RUN_LOCK = ".in-use"  # held (flock) by the process whose run writes the directory, until it exits
+_held_runs: list[int] = []  # this process's run locks: open for its lifetime
+
+
+def _in_use(run: Path) -> bool:
+    """Whether another run still holds `run` (its lock file flocked). A directory without one (an older tool's, or
+    one whose run ended) is free."""
+    try:
+        fd = os.open(run / RUN_LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe's lock
+    return False
 
 
 def new_run_dir(device: str) -> Path:
-    """A fresh directory for one run's traces and metrics, so concurrent runs never share (or delete) files."""
+    """A fresh directory for one run's traces and metrics, so concurrent runs never share (or delete) files: the
+    oldest runs beyond KEEP_RUNS are removed unless a live run still holds them."""
     base = conformance_dir() / "runs"
     base.mkdir(parents=True, exist_ok=True)
     old = sorted((p for p in base.glob(f"{device}-*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
     for stale in old[: max(0, len(old) - (KEEP_RUNS - 1))]:
-        shutil.rmtree(stale, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{device}-{time.strftime('%Y%m%dT%H%M%S')}-", dir=base))
+        if not _in_use(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+    run = Path(tempfile.mkdtemp(prefix=f"{device}-{time.strftime('%Y%m%dT%H%M%S')}-", dir=base))
+    fd = os.open(run / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _held_runs.append(fd)
+    return run
 
 
 def conformance_dir() -> Path:
