@@ -34,6 +34,7 @@ PARTS: tuple[tuple[str, str], ...] = (
     ("miniatures", "tests/test_mini"),
     ("images", "tests/test_image.py"),
     ("doctor's environments", "tests/test_doctor"),
+    ("hybrid target (CPU GDN kernels)", "tests/test_hybrid_target.py"),
 )
 OTHER = "everything else"
 

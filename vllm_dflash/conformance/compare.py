@@ -230,7 +230,7 @@ def repo_pythonpath(manifest: Manifest) -> str:
     return str(Path(vllm_dflash.__file__).resolve().parents[1])
 
 
-def _ref_environ(manifest: Manifest) -> dict[str, str]:
+def ref_environ(manifest: Manifest) -> dict[str, str]:
     return {"PYTHONPATH": repo_pythonpath(manifest), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -260,7 +260,7 @@ def _build_cases(
             json.dumps(
                 {"out": str(base), "cases": known, "specs": specs} if specs else {"out": str(base), "cases": known}
             ),
-            env=_ref_environ(manifest),
+            env=ref_environ(manifest),
             error=ConformanceError,
             hint="the reference environment is broken: delete it under the cache's envs/ and retry",
         )
@@ -448,7 +448,7 @@ def run_oracle(
         "-m",
         "vllm_dflash.conformance.oracle",
         json.dumps(job),
-        env=_ref_environ(manifest),
+        env=ref_environ(manifest),
         error=ConformanceError,
         hint="the oracle could not read a trace; the message above names it",
     )
