@@ -817,6 +817,7 @@ def test_eviction_cases_cover_each_condition_and_run_far_past_the_window() -> No
         "evict-prefix",
         "evict-tp2",
         "evict-non-causal",  # the symmetric windows of a non-causal drafter, on the CPU queue's torch path
+        "evict-geometry",  # a drafter of another head geometry, the same KV bytes per token as its target
     }
     assert all(c.name.startswith("evict") for c in EVICT) and not any("evict" in c.name for c in C.CASES if not c.evict)
     for c in EVICT:
@@ -825,7 +826,16 @@ def test_eviction_cases_cover_each_condition_and_run_far_past_the_window() -> No
         assert c.kv_block_size and -(-kept // c.kv_block_size) <= 2 < 4 <= min(c.prompt_lengths) // c.kv_block_size
         assert c.has_sliding and C.FULL in c.layer_types  # a drafter in two KV-cache groups
         assert (C.FULL_KV in c.builds) == (c.tensor_parallel_size == 1), c.name
+        # vLLM reserves for max_model_len, a sliding layer for its window plus one prefill chunk: the context must be
+        # long against both, as at the user's 128K, for the windowed layout to reserve less (kv_claim_problems).
+        budget = c.max_num_batched_tokens or max(c.prompt_lengths)
+        if C.FULL_KV in c.builds:  # judged against the full-kv control
+            assert kept + budget <= c.max_model_len // 4, c.name
+        assert max(c.prompt_lengths) + c.max_tokens <= c.max_model_len, c.name
     by = {c.name: c for c in EVICT}
+    geometry = by["evict-geometry"]
+    drafter, target = geometry.kv_elements_per_token
+    assert drafter == target and geometry.drafter_head_dim not in (None, C.HEAD_DIM)  # same bytes, other geometry
     assert by["evict-batched"].batched and by["evict-batched"].max_num_seqs == len(by["evict-batched"].prompt_lengths)
     assert by["evict-batched"].kv_cache_bytes is not None  # small enough that freed blocks are handed out again
     chunked = by["evict-chunked"]
@@ -1122,12 +1132,13 @@ LIFT_ASSERTION = REPO / "tests" / "kv_negative" / "lift-one-kv-cache-group-asser
 
 def spec_only_patch(kv: Any, out: Path) -> Path:
     """TEST-ONLY: patch 0004 without its proposer change (vllm/v1/spec_decode/dflash.py): the sliding drafter layers
-    get their SlidingWindowSpec and nothing else. Derived from 0004 itself, so it follows every change to it."""
+    get their SlidingWindowSpec (and 0004's grouping and runner layout), and the proposer stays stock. Derived from
+    0004 itself, so it follows every change to it."""
     import re
 
     _, *sections = kv.text.split("\ndiff --git ")
     kept = [x for x in sections if not x.startswith("a/vllm/v1/spec_decode/dflash.py ")]
-    assert len(kept) == len(sections) - 1 == 2, [x.split("\n", 1)[0] for x in sections]
+    assert len(kept) == len(sections) - 1, [x.split("\n", 1)[0] for x in sections]
     body = re.sub(r"\n-- \n[0-9.]+\n*$", "", "\n".join("diff --git " + x for x in kept)).rstrip("\n") + "\n"
     out.write_text(
         "Description: TEST-ONLY negative control: patch 0004's KV-cache spec switch without its proposer change\n"
