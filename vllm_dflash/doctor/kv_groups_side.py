@@ -6,7 +6,7 @@ Runs INSIDE a vLLM environment (a CPU build of the pin: this build's, or stock's
         "target": {"attention": [{"num_kv_heads", "head_dim", "window"}], "gdn": null | {"count", "num_k_heads",
         "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel"}}, "drafter": [{"num_kv_heads", "head_dim",
         "window"}]}'
-and prints one JSON object. Standard library, torch and vLLM only.
+and prints one JSON object (or, given {"jobs": [...]}, a list of them). Standard library, torch and vLLM only.
 
 Every decision is the installed build's code, run here: the tokens each drafter layer's KV-cache spec keeps come from
 its `qwen3_dflash.dflash_kv_cache_windows` where the build has one (patch 0004, with the drafter's and the target's KV
@@ -44,12 +44,13 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def groups(job: dict[str, Any]) -> dict[str, Any]:
+def model_specs(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """(what both builds compute alike, with this build's refusal as "error" where it refuses, the whole model's
+    KV-cache spec per layer name as this environment's build makes it, the config vLLM's grouping reads)."""
     import torch
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
     from vllm.model_executor.models import qwen3_dflash
     from vllm.utils.math_utils import cdiv
-    from vllm.v1.core import kv_cache_utils
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     dtype = getattr(torch, str(job["dtype"]))
@@ -103,6 +104,7 @@ def groups(job: dict[str, Any]) -> dict[str, Any]:
         "mamba_page_size_unpadded": raw or None,
         "kv_bytes_per_token": {"drafter": kv_bytes[0], "target": kv_bytes[1]},
     }
+    config = _config(k, context, chunk)
     windows = [d.get("window") for d in drafter]
     rule = getattr(qwen3_dflash, "dflash_kv_cache_windows", None)
     kept: list[int | None] = [None] * len(drafter)
@@ -112,7 +114,7 @@ def groups(job: dict[str, Any]) -> dict[str, Any]:
             speculators = bool(job.get("speculators"))
             kept = list(rule(windows, k, speculators=speculators, kv_bytes_per_token=kv_bytes, target_is_hybrid=hybrid))
     except ValueError as exc:  # this build refuses the drafter at load
-        return {**out, "error": _one_line(exc)}
+        return {**out, "error": _one_line(exc)}, {}, config
     out["drafter_windows"] = kept
     named: dict[str, Any] = {}
     n_gdn = int(gdn["count"]) if gdn else 0
@@ -123,12 +125,20 @@ def groups(job: dict[str, Any]) -> dict[str, Any]:
     first = n_gdn + len(attn)
     for j, (layer, w) in enumerate(zip(drafter, kept, strict=True)):
         named[f"model.layers.{first + j}.self_attn.attn"] = spec(layer, w)
-    config = _config(k, context, chunk)
+    return out, named, config
+
+
+def groups(job: dict[str, Any]) -> dict[str, Any]:
+    from vllm.v1.core import kv_cache_utils
+
+    out, named, config = model_specs(job)
+    if "error" in out:
+        return out
     try:
         found = kv_cache_utils.get_kv_cache_groups(config, named)
     except (NotImplementedError, ValueError, AssertionError) as e:
         return {**out, "error": _one_line(e)}
-    drafter_names = {f"model.layers.{first + j}.self_attn.attn" for j in range(len(drafter))}
+    drafter_names = set(list(named)[-len(job["drafter"]) :])  # the drafter's layers come last
     return {
         **out,
         "count": len(found),
@@ -143,8 +153,10 @@ def groups(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One job object, or {"jobs": [...]}: a list of results in one process (vLLM is imported once)."""
     job = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    print(json.dumps(groups(job)), flush=True)
+    out = [groups(j) for j in job["jobs"]] if "jobs" in job else groups(job)
+    print(json.dumps(out), flush=True)
     return 0
 
 

@@ -28,8 +28,9 @@ BUILDS = (("this_build", "dflash"), ("stock", "stock"))  # side -> cached_build 
 SHARED = ("attention_block_size", "attention_page_size_bytes", "mamba_page_size_unpadded", "kv_bytes_per_token")
 
 
-def side(manifest: Manifest, queues: Queues, variant: str, job: Mapping[str, Any]) -> dict[str, Any]:
-    """kv_groups_side in the CPU environment of the `variant` wheel ("dflash": this build, "stock")."""
+def side(manifest: Manifest, queues: Queues, variant: str, job: Mapping[str, Any]) -> Any:
+    """kv_groups_side in the CPU environment of the `variant` wheel ("dflash": this build, "stock"): its object, or
+    its list for {"jobs": [...]}."""
     from vllm_dflash.conformance.compare import repo_pythonpath
     from vllm_dflash.envs import vllm_cpu_env
     from vllm_dflash.fetch import fetch
@@ -47,8 +48,7 @@ def side(manifest: Manifest, queues: Queues, variant: str, job: Mapping[str, Any
         error=ConformanceError,
         hint="the vLLM environment is broken: delete it under the cache's envs/ and retry",
     )
-    out: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
-    return out
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def groups(manifest: Manifest, queues: Queues, job: Mapping[str, Any]) -> dict[str, Any]:
