@@ -196,6 +196,7 @@ def per_sequence(
         "num_speculative_tokens": k,
         "drafter": drafter,
         "target": tlayers,
+        "target_is_hybrid": target is not None and target_gdn(target) is not None,
         "speculators": ck.speculators,
     }
     wheel = cached_build(manifest, queues, "cpu", "dflash")
