@@ -1041,11 +1041,12 @@ def test_memory_claims_are_judged_windowed_against_full_kv(tmp_path: Path) -> No
         f"vLLM admits 1.5 requests at once, {C.FULL_KV} 1.5"
     ]
     assert compare.kv_claim_problems(long, _claims(reused=3, end=10), {**full, "kv_blocks": {"1": [[1, 1, 99]]}}) == []
-    for bad in (
+    missing: list[dict[str, Any]] = [
         {"kv_layout": {}},
         {"kv_blocks": {}},
         {"kv_layout": {**full["kv_layout"], "pool_bytes_per_block": None}},
-    ):
+    ]
+    for bad in missing:
         assert compare.kv_claim_problems(long, windowed, {**full, **bad}) == [
             "no KV-cache layout or block records on both builds: the memory claims cannot be judged"
         ]
