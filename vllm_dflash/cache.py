@@ -260,6 +260,7 @@ _UNJUDGED = {
     "image-build": ("other", "an image build's context (removed by the build itself)"),
     "images": ("other", "the test suite's base image"),
     "tools": ("other", "the test suite's tools"),
+    "mypy": ("other", "the test suite's mypy cache (tests/test_lint.py; mypy checks each entry against its file)"),
 }
 _LOCK_FILE = re.compile(r"^\..+\.lock$|^\.lock$")
 
