@@ -115,6 +115,9 @@ class Outcome:
     kv_block_size: int | None = None
     # Prefix cases: per request "matched/most matchable" tokens, from the real KV-cache manager and the oracle.
     prefix_hits_vs_bound: tuple[str, ...] = ()
+    # Every KV-cache group (Mamba state groups of a hybrid target included): its label and the blocks it holds for
+    # the longest request at its last slot allocation, from the real KV-cache manager.
+    kv_held_by_group: tuple[str, ...] = ()
 
     @property
     def unproven(self) -> bool:
@@ -607,9 +610,11 @@ def _drafter_groups(layout: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def _group_label(g: Mapping[str, Any]) -> str:
-    kind = f"sliding {g['window']}" if g.get("window") else "full"
-    others = int(g["layers"]) - int(g["drafter_layers"])
-    return f"g{g['gid']} {kind} ({g['drafter_layers']} drafter" + (f" + {others} target" if others else "") + ")"
+    kind = "mamba" if g.get("spec") == "MambaSpec" else f"sliding {g['window']}" if g.get("window") else "full"
+    drafter, others = int(g["drafter_layers"]), int(g["layers"]) - int(g["drafter_layers"])
+    parts = [f"{drafter} drafter"] if drafter else []
+    parts += [f"{others} target"] if others else []
+    return f"g{g['gid']} {kind} ({' + '.join(parts)})"
 
 
 def _kv_fields(metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -627,6 +632,9 @@ def _kv_fields(metrics: Mapping[str, Any]) -> dict[str, Any]:
         "kv_bytes_per_request": layout.get("bytes_per_request"),
         "kv_max_concurrency": layout.get("max_concurrency"),
         "kv_block_size": int(groups[0]["block_size"]) if groups else None,
+        "kv_held_by_group": tuple(
+            f"{_group_label(g)} {longest[-1][2 + int(g['gid'])]}" for g in layout.get("groups") or ()
+        ),
     }
 
 
@@ -1044,6 +1052,12 @@ def render(result: ConformanceResult) -> None:
         console.print(
             f"{who} vs an oracle with its semantics ({stock_semantics(result.fixes)}): "
             + ", ".join(f"{o.case} {_fmt(o.stock_model_max_abs)}" for o in stock)
+        )
+    hybrid = {c.name for c in C.CASES if c.hybrid_target}
+    for o in (o for o in result.outcomes if o.case in hybrid and o.kv_held_by_group):
+        console.print(
+            f"{o.case}/{o.build}: KV blocks each group holds at the longest request's last allocation (the KV-cache "
+            f"manager's own count): {'; '.join(o.kv_held_by_group)}"
         )
     hits = [o for o in result.outcomes if o.prefix_hits_vs_bound]
     if hits:

@@ -25,7 +25,7 @@ import json
 import shutil
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -130,29 +130,42 @@ class HybridResult:
 # ---- side processes ------------------------------------------------------------------------------------------------
 
 
-def _build(spec: HybridSpec, out: Path) -> None:
+def build_target(
+    out: Path,
+    seed: int,
+    layer_types: Sequence[str],
+    hidden: int = 128,
+    linear_key_heads: int = 2,
+    linear_value_heads: int = 4,
+    head_dim: int = 32,
+    conv_kernel: int = 4,
+) -> None:
+    """A tiny random Qwen3_5ForConditionalGeneration (the architecture vLLM 0.20.1 serves Qwen3.6-27B as) with its
+    tokenizer in `out`: `layer_types` of Gated DeltaNet ("linear_attention") and gated full attention, a one-block
+    vision tower that text-only serving never builds, norms perturbed. Also the conformance cases' hybrid target
+    (cases.CaseSpec.hybrid_target, built by tiny.py)."""
     import torch
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from vllm_dflash.conformance.tiny import build_drafter, build_tokenizer
+    from vllm_dflash.conformance.tiny import build_tokenizer
 
-    torch.manual_seed(spec.seed)
-    gen = torch.Generator().manual_seed(spec.seed + 1)
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
     text = {
         "vocab_size": VOCAB,
-        "hidden_size": spec.hidden,
-        "intermediate_size": 2 * spec.hidden,
-        "num_hidden_layers": len(spec.layer_types),
-        "layer_types": list(spec.layer_types),
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": len(layer_types),
+        "layer_types": list(layer_types),
         "full_attention_interval": 4,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": spec.head_dim,
-        "linear_num_key_heads": spec.linear_key_heads,
-        "linear_num_value_heads": spec.linear_value_heads,
-        "linear_key_head_dim": spec.head_dim,
-        "linear_value_head_dim": spec.head_dim,
-        "linear_conv_kernel_dim": spec.conv_kernel,
+        "head_dim": head_dim,
+        "linear_num_key_heads": linear_key_heads,
+        "linear_num_value_heads": linear_value_heads,
+        "linear_key_head_dim": head_dim,
+        "linear_value_head_dim": head_dim,
+        "linear_conv_kernel_dim": conv_kernel,
         "max_position_embeddings": 512,
         "rms_norm_eps": 1e-6,
         "initializer_range": 0.1,  # logits O(1), as the other tiny models
@@ -174,7 +187,7 @@ def _build(spec: HybridSpec, out: Path) -> None:
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_heads": 2,
-        "out_hidden_size": spec.hidden,
+        "out_hidden_size": hidden,
         "num_position_embeddings": 64,
         "deepstack_visual_indexes": [],
     }
@@ -194,6 +207,21 @@ def _build(spec: HybridSpec, out: Path) -> None:
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(out, safe_serialization=True)
     build_tokenizer(out)
+
+
+def _build(spec: HybridSpec, out: Path) -> None:
+    from vllm_dflash.conformance.tiny import build_drafter
+
+    build_target(
+        out,
+        spec.seed,
+        spec.layer_types,
+        spec.hidden,
+        spec.linear_key_heads,
+        spec.linear_value_heads,
+        spec.head_dim,
+        spec.conv_kernel,
+    )
     # A DFlash drafter shaped like z-lab/Qwen3.6-27B-DFlash (4 sliding + 1 full layers) whose taps fall on both
     # layer kinds, built by the reference package's own class like every conformance drafter.
     build_drafter(drafter_spec(spec), out / "drafter")

@@ -95,6 +95,14 @@ def build_target(spec: C.CaseSpec, out: Path) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    if spec.hybrid_target:
+        if spec.identity_target_layers or spec.zero_lm_head:
+            raise ValueError(f"{spec.name}: identity layers and a zeroed lm_head are built for Qwen3 targets only")
+        from vllm_dflash.conformance import hybrid
+
+        hybrid.build_target(out, spec.seed, spec.target_layer_types, C.HIDDEN)
+        return
+
     torch.manual_seed(spec.seed)
     gen = torch.Generator().manual_seed(spec.seed + 1)
     config = Qwen3Config(**_common_config(), num_hidden_layers=spec.target_layers, architectures=["Qwen3ForCausalLM"])
