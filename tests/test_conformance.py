@@ -1090,12 +1090,16 @@ def test_conformance_patched_passes_and_stock_fails(tmp_path: Path) -> None:
         assert patched["proposals_recorded"] == patched["num_drafts"] + patched["proposals_unverified"], patched
         if spec.prefix_caching:
             assert patched["prefix_cache_hits"] > 0, patched
+        if spec.hybrid_target:  # every KV-cache group, the target's GDN state groups included, from the manager
+            assert any(" mamba (" in g for g in patched["kv_held_by_group"]), patched
         for neg in patched["negatives"]:
             assert neg["disagrees"] and neg["max_abs"] > tol.negative_min, neg
         if spec.evict:
             # The patched build freed the sliding drafter group's blocks (judged in kv_problems); the full-kv control
             # (today's layout) ran exactly too, every drafter layer holding the whole context.
-            assert patched["kv_series"] and patched["kv_series"][-1][-1] < patched["kv_series"][-1][-2], patched
+            held = dict(zip(patched["kv_groups"], patched["kv_series"][-1][2:], strict=True))
+            sliding = [n for g, n in held.items() if "sliding" in g]
+            assert sliding and max(sliding) < min(n for g, n in held.items() if "sliding" not in g), patched
             if spec.tensor_parallel_size == 1:
                 full = by[(spec.name, C.FULL_KV)]
                 assert full["status"] == "pass" and full["as_expected"] and full["max_abs"] <= tol.max_abs_logit, full
