@@ -809,7 +809,7 @@ def test_serving_fields_keep_old_digests_and_enter_new_ones(monkeypatch: pytest.
     monkeypatch.undo()
     batched = dataclasses.replace(mixed, batched=True)
     assert batched.is_serving and batched.digest() != mixed.digest()
-    # A hybrid target enters the digest with the version of the code that writes it (hybrid.build_target).
+    # A hybrid target enters the digest with the version of the code that writes it (tiny.build_hybrid_target).
     hybrid = dataclasses.replace(mixed, hybrid_target=True, target_layers=8)
     before = hybrid.digest()
     assert before != dataclasses.replace(mixed, target_layers=8).digest()

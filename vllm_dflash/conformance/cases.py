@@ -150,8 +150,8 @@ class CaseSpec:
     kv_cache_bytes: int | None = None  # vLLM's KV cache (kv_cache_memory_bytes); None: vllm_side.CPU_KV_CACHE_BYTES
     # ---- the target (added; TARGET_FIELDS, in the digest only when set) ----
     # A hybrid target with the Qwen3.5/3.6 architecture as vLLM 0.20.1 serves Qwen3.6-27B
-    # (Qwen3_5ForConditionalGeneration: Gated DeltaNet and gated full-attention layers, 3 : 1, hybrid.build_target),
-    # served text-only; else a Qwen3ForCausalLM with every layer full attention.
+    # (Qwen3_5ForConditionalGeneration: Gated DeltaNet and gated full-attention layers, 3 : 1; written by
+    # tiny.build_hybrid_target), served text-only; else a Qwen3ForCausalLM with every layer full attention.
     hybrid_target: bool = False
 
     @property
@@ -240,7 +240,7 @@ class CaseSpec:
         defaults = CaseSpec.__dataclass_fields__
         out: dict[str, Any] = {f: getattr(self, f) for f in TARGET_FIELDS if getattr(self, f) != defaults[f].default}
         if self.hybrid_target:
-            out["hybrid_generator"] = HYBRID_GENERATOR_VERSION  # hybrid.build_target writes the target
+            out["hybrid_generator"] = HYBRID_GENERATOR_VERSION  # tiny.build_hybrid_target writes the target
         return out
 
     @property
@@ -268,7 +268,7 @@ class CaseSpec:
 
 SPELLING_FIELDS: tuple[str, ...] = ("layer_types_spelling", "max_window_layers")
 TARGET_FIELDS: tuple[str, ...] = ("hybrid_target",)
-# Bump when hybrid.build_target changes what it writes for the same seed and layers (rebuilds the hybrid cases only).
+# Bump when tiny.build_hybrid_target changes what it writes for the same seed and layers (rebuilds the hybrid cases).
 HYBRID_GENERATOR_VERSION = 1
 HYBRID_FULL_INTERVAL = 4  # Qwen3.6-27B: every fourth layer full attention (full_attention_interval), the rest GDN
 SERVING_FIELDS: tuple[str, ...] = (
@@ -633,7 +633,7 @@ CASES: tuple[CaseSpec, ...] = (
         # stock at TP 2 is tp2-mixed; the full-kv control runs on the single-rank eviction cases
         expect_stock="skip",
     ),
-    # ---- the user's target family: a hybrid Qwen3.5/3.6 target (hybrid.build_target: 8 layers, GDN x 3 then full,
+    # ---- the user's target family: a hybrid Qwen3.5/3.6 target (tiny.build_hybrid_target: 8 layers, GDN x 3 then full,
     # twice; vLLM 0.20.1 serves it as Qwen3_5ForConditionalGeneration, text-only), a drafter shaped like
     # z-lab/Qwen3.6-27B-DFlash (4 sliding + 1 full) whose taps fall on both layer kinds. vLLM aligns a hybrid target's
     # KV block to hold a GDN state page: 48 tokens here (k = 3), so the contexts run past three blocks. ----

@@ -25,7 +25,7 @@ import json
 import shutil
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,6 +70,7 @@ class HybridSpec:
     def digest(self) -> str:
         h = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode())
         h.update(Path(__file__).read_bytes())  # the generator and the side code are inputs too
+        h.update(Path(__file__).with_name("tiny.py").read_bytes())  # tiny.build_hybrid_target writes the model
         return h.hexdigest()[:12]
 
     def prompts(self, repeat: bool = False) -> list[list[int]]:
@@ -130,89 +131,10 @@ class HybridResult:
 # ---- side processes ------------------------------------------------------------------------------------------------
 
 
-def build_target(
-    out: Path,
-    seed: int,
-    layer_types: Sequence[str],
-    hidden: int = 128,
-    linear_key_heads: int = 2,
-    linear_value_heads: int = 4,
-    head_dim: int = 32,
-    conv_kernel: int = 4,
-) -> None:
-    """A tiny random Qwen3_5ForConditionalGeneration (the architecture vLLM 0.20.1 serves Qwen3.6-27B as) with its
-    tokenizer in `out`: `layer_types` of Gated DeltaNet ("linear_attention") and gated full attention, a one-block
-    vision tower that text-only serving never builds, norms perturbed. Also the conformance cases' hybrid target
-    (cases.CaseSpec.hybrid_target, built by tiny.py)."""
-    import torch
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-
-    from vllm_dflash.conformance.tiny import build_tokenizer
-
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    text = {
-        "vocab_size": VOCAB,
-        "hidden_size": hidden,
-        "intermediate_size": 2 * hidden,
-        "num_hidden_layers": len(layer_types),
-        "layer_types": list(layer_types),
-        "full_attention_interval": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": head_dim,
-        "linear_num_key_heads": linear_key_heads,
-        "linear_num_value_heads": linear_value_heads,
-        "linear_key_head_dim": head_dim,
-        "linear_value_head_dim": head_dim,
-        "linear_conv_kernel_dim": conv_kernel,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6,
-        "initializer_range": 0.1,  # logits O(1), as the other tiny models
-        "tie_word_embeddings": False,
-        # Qwen3.5's partial interleaved M-RoPE; text-only positions are the same on its three axes.
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [2, 1, 1],
-            "mrope_interleaved": True,
-        },
-        "bos_token_id": 256,
-        "eos_token_id": 256,
-        "pad_token_id": 256,
-    }
-    vision = {
-        "depth": 1,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "out_hidden_size": hidden,
-        "num_position_embeddings": 64,
-        "deepstack_visual_indexes": [],
-    }
-    config = Qwen3_5Config(
-        text_config=text,
-        vision_config=vision,
-        tie_word_embeddings=False,
-        image_token_id=300,
-        video_token_id=301,
-        vision_start_token_id=302,
-        vision_end_token_id=303,
-    )
-    model = Qwen3_5ForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:  # norms start at 1 (or 0): perturb them so a wrong norm weight shows
-                p.add_(0.2 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(out, safe_serialization=True)
-    build_tokenizer(out)
-
-
 def _build(spec: HybridSpec, out: Path) -> None:
-    from vllm_dflash.conformance.tiny import build_drafter
+    from vllm_dflash.conformance.tiny import build_drafter, build_hybrid_target
 
-    build_target(
+    build_hybrid_target(
         out,
         spec.seed,
         spec.layer_types,
