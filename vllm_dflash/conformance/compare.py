@@ -164,6 +164,21 @@ def queue_fixes(queues: Queues) -> frozenset[str]:
     return frozenset(out)
 
 
+def runtime_enables(queues: Queues) -> frozenset[str]:
+    """What the CPU runtime queue makes possible: its patches' `X-Enables:` headers (cases.CPU_RUNTIMES)."""
+    out: set[str] = set()
+    for patch in queues.cpu:
+        names = set(patch.headers.get("X-Enables", "").replace(",", " ").split())
+        unknown = sorted(names - set(C.CPU_RUNTIMES))
+        if unknown:
+            raise ManifestError(
+                f"patch {patch.name}: X-Enables names unknown {', '.join(unknown)}; known: {', '.join(C.CPU_RUNTIMES)}",
+                "fix its X-Enables header",
+            )
+        out |= names
+    return frozenset(out)
+
+
 def expected_for(spec: C.CaseSpec, build: str, fixed: frozenset[str]) -> str:
     """What `build` must do on `spec` for a pin whose queue fixes `fixed`: the patched build passes; stock fails
     exactly where the queue fixes a feature the case exercises (cases.stock_expectation)."""
@@ -775,6 +790,23 @@ def kv_window_cases(specs: tuple[C.CaseSpec, ...], options: ConformanceOptions, 
     return tuple(s for s in specs if not s.evict)
 
 
+def runtime_cases(
+    specs: tuple[C.CaseSpec, ...], options: ConformanceOptions, pin: str, enabled: frozenset[str]
+) -> tuple[C.CaseSpec, ...]:
+    """For a CPU pin whose runtime queue does not enable what a case needs (cases.CaseSpec.cpu_runtime: a hybrid
+    target): those cases are left out of the default set, and it says so; named on the command line they stay (and are
+    reported unproven)."""
+    if options.cases:
+        return specs
+    left = [s.name for s in specs if s.cpu_runtime - enabled]
+    if left:
+        missing = sorted(set().union(*(s.cpu_runtime - enabled for s in specs)))
+        print(
+            f"vLLM {pin}: its CPU runtime queue enables no {', '.join(missing)}; not run: {', '.join(left)}", flush=True
+        )
+    return tuple(s for s in specs if not s.cpu_runtime - enabled)
+
+
 def _cpus() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
@@ -828,6 +860,13 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
     if C.FIX_KV_WINDOW not in fixed:
         why = f"the vLLM {manifest.pin_name} queue keeps the drafter's whole KV"
         unproven |= {s.name: why for s in specs if s.evict}
+    if options.device == "cpu":
+        enabled = runtime_enables(queues)
+        specs = runtime_cases(specs, options, manifest.pin_name, enabled)
+        why = f"the vLLM {manifest.pin_name} CPU runtime queue enables no"
+        unproven |= {
+            s.name: f"{why} {', '.join(sorted(s.cpu_runtime - enabled))}" for s in specs if s.cpu_runtime - enabled
+        }
     work = options.work_dir or new_run_dir(options.device)
     work.mkdir(parents=True, exist_ok=True)
 
