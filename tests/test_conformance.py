@@ -214,8 +214,10 @@ def test_oracle_reproduces_the_reference_generate_loop(selftests: dict[str, Any]
         return
     assert not st["loop_error"], st
     spec = C.get_cases([name])[0]
+    # The case's own bound: on a hybrid target the loop's cached forward chunks the GDN recurrence differently from
+    # the oracle's from-scratch one, which moves fp32 results by the reference's own drift (cases.CPU_HYBRID_TOLERANCE).
     tol = C.tolerance_for(spec, "cpu").max_abs_logit
-    assert st["max_abs_vs_loop"] < min(tol, 1e-4), st
+    assert st["max_abs_vs_loop"] < tol, st
     assert st["loop_is_greedy"], "the reference loop with greedy drafting must reproduce the target's greedy output"
     assert st["linear_rollback"] is spec.hybrid_target, st
     if spec.hybrid_target:
