@@ -270,3 +270,20 @@ def line_end(
         servings.append(serving(version, read))
     scanned = tuple(s.version for s in sorted(servings, key=lambda s: Version(s.version)))
     return LineEnd(name, evidence, ways(servings), scanned, drafter)
+
+
+def known_line_end(manifest: Manifest, readers: Mapping[str, Reader] | None = None) -> LineEnd | None:
+    """The end of the V1 line among the releases this checkout pins (dist.toml [releases], the pins, [upstream]): the
+    verdict for the first one whose own tree has no V1, from the older ones' sources (None when every one has V1).
+    What the pin matrix prints beside its table. `readers` (tests) replaces the pinned sdists."""
+    if readers is None:
+        from vllm_dflash.fetch import fetch
+
+        known = sorted(known_releases(manifest).items(), key=lambda i: Version(i[0]))
+        readers = {v: sdist_reader(fetch(r.sdist), r) for v, r in known}
+    ordered = sorted(readers, key=Version)
+    first = next((v for v in ordered if removal(readers[v])), None)
+    if first is None:
+        return None
+    older = {v: readers[v] for v in ordered if Version(v) < Version(first)}
+    return line_end(manifest, first, readers[first], readers=older)
