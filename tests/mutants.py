@@ -216,7 +216,11 @@ MUTANTS: list[tuple[str, str, str]] = [
     ("vllm_dflash/upstream/ablation.py", "    if any(o.unproven for o in outcomes):", "    if False:"),
     ("vllm_dflash/upstream/ablation.py", "        if result.is_file():", "        if False:"),
     ("vllm_dflash/upstream/ablation.py", '        "fixes": sorted(fixed),\n', ""),
-    ("vllm_dflash/upstream/matrix.py", "        if ab.verdict == NEEDED:", "        if ab.verdict in (NEEDED, NOT_NEEDED):"),
+    (
+        "vllm_dflash/upstream/matrix.py",
+        "        if ab.verdict == NEEDED:",
+        "        if ab.verdict in (NEEDED, NOT_NEEDED):",
+    ),
     ("vllm_dflash/upstream/matrix.py", "        if ab is None:", "        if False:"),
     ("vllm_dflash/conformance/cases.py", "    if judges_prefix_block(spec):", "    if spec.prefix_caching:"),
     (

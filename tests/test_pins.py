@@ -459,6 +459,21 @@ def test_pin_matrix_is_what_the_runs_compute(tmp_path: Path) -> None:
         assert by[("mixed", "stock")]["status"] == ("fail" if pin == "0.23.0" else "refused")
         assert by[("window-only", "stock")]["status"] == "fail"
         assert by[("use-swa", "stock")]["status"] == ("fail" if pin == "0.23.0" else "pass")
+    # Every pin: the patched build keeps the last matched prefix block and stock drops it (the oracle's bound per
+    # request, from the real KV-cache manager), the drafter's sliding layers keep their window (full-kv: everything).
+    for pin in ("0.20.1", *NEW_PINS):
+        name = f"conformance-cpu-{pin}-evidence.json"
+        by = {(o["case"], o["build"]): o for o in json.loads((REPO / "dist" / name).read_text())["outcomes"]}
+        kept = [h.split("/") for h in by[("prefix-full", "patched")]["prefix_hits_vs_bound"]]
+        dropped = [h.split("/") for h in by[("prefix-full", "stock")]["prefix_hits_vs_bound"]]
+        assert all(a == b for a, b in kept) and any(int(b) >= 64 for _, b in kept), kept
+        assert all(int(a) == max(int(b) - 32, 0) for a, b in dropped), dropped
+        assert by[("evict-long", "patched")]["as_expected"] and by[("evict-long", "full-kv")]["as_expected"]
+    rows = {r.split(" | ")[0].strip("| `"): r for r in table.splitlines() if r.startswith("| `")}
+    for name, case in (("0004-dflash-drafter-kv-cache-by-window.patch", "evict-long"),
+                       ("0006-dflash-keep-last-prefix-block.patch", "prefix-full")):  # fmt: skip
+        cells = rows[name].split(" | ")[1:]
+        assert all(c.startswith(f"needed (without it: {case} fail") for c in cells), cells
 
 
 @pytest.mark.heavy
@@ -552,7 +567,7 @@ def test_rebase_to_an_existing_pin_verifies_and_writes_nothing(tmp_path: Path) -
     ]
     assert "0002-dflash-sliding-window-layers.patch: needed" in out
     assert "0.25.1 is a pin already" in out and "passes every case" in out
-    left = "not in 0.25.1's queue and not retired by the run: 0004-dflash-drafter-kv-cache-by-window.patch: unproven"
-    assert left in out, out[-3000:]
+    # 0.25.1's queue carries every patch of the default pin's queue that the run does not retire (0004-0006 too).
+    assert "not in 0.25.1's queue and not retired by the run" not in out, out[-3000:]
     after = {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and "dist" not in p.parts}
     assert after == {p: b for p, b in before.items() if "dist" not in p.parts}
