@@ -353,7 +353,7 @@ def test_matrix_cells_from_runs(manifest: Manifest, tmp_path: Path) -> None:
     kv = next(p for p in _queues(manifest, "0.25.1").dflash if p.name.startswith("0004"))
     left = _run(manifest, "0.25.1", statuses(at_025), tmp_path, {kv.name: (NEEDED, "without it: evict-long fail")})
     object.__setattr__(left, "ablations", (replace(left.ablations[0], left_out=("0005-x.patch",)),))
-    assert M.cell(kv, left, {}) == "needed (without it: evict-long fail; 0005-x.patch left out too: no longer applies)"
+    assert M.cell(kv, left, {}) == "needed (without it: evict-long fail; 0005 left out too: it no longer applied)"
     assert "pip install --no-deps vllm==0.23.0+dflash.1" in table and "0.25.1+dflash.1" in table
     assert "(default)" in table.splitlines()[2]
     # A pin carrying a patch its stock does not need, or missing one it needs, is flagged, never rendered fine.

@@ -109,14 +109,15 @@ def cell(patch: Patch, run: PinRun, retired: Mapping[str, str]) -> str:
         ab = run.ablation(patch.name)
         if ab is None:
             return "carried, unproven (not ablated)"
-        also = f"; {', '.join(ab.left_out)} left out too: no longer applies" if ab.left_out else ""
+        left = " and ".join(_number(n) for n in ab.left_out)
+        also = f"; {left} left out too: {'they' if len(ab.left_out) > 1 else 'it'} no longer applied" if left else ""
         if ab.verdict == NEEDED:
             return f"needed ({ab.why}{also})"
         if judged.verdict == RETIRED:
             return f"**retire it**: stock serves it right ({why})"
         if ab.verdict == NOT_NEEDED:
             return f"**not needed here** ({ab.why}{also})"
-        return f"carried, unproven ({ab.why}{also})"
+        return f"carried, unproven: {ab.why}{also}"
     if patch.name in retired and retired[patch.name] and Version(run.pin) >= Version(retired[patch.name]):
         return f"retired in {retired[patch.name]}"
     if judged.verdict == RETIRED:
@@ -180,9 +181,9 @@ def markdown(manifest: Manifest, runs: Sequence[PinRun], end: LineEnd | None = N
 def leaving(end: LineEnd) -> list[str]:
     """How to leave the patches: the end of the V1 line and, per drafter kind, the V2 release that serves it."""
     out = [
-        f"**Leaving the patches.** {end.verdict()}: every patch above is for Model Runner V1, so 0.33.x is the last "
-        f"line they follow (`upstream --against {end.version}` and `rebase --to {end.version}` stop with exit 27). "
-        f"Read from the sources of {', '.join(end.scanned)}:",
+        f"**Leaving the patches.** {end.verdict()}. Every patch above is for Model Runner V1, so the releases before "
+        f"{end.version} are the last it can follow (`upstream --against {end.version}` and `rebase --to {end.version}` "
+        f"stop with that verdict, exit 27). Per drafter kind, read from the sources of {', '.join(end.scanned)}:",
         "",
         "| drafter kind | served by V2 from | flag |",
         "| --- | --- | --- |",
@@ -198,6 +199,11 @@ def leaving(end: LineEnd) -> list[str]:
             flag = f"`{_FLAG}`{until}"
         out.append(f"| {w.kind} | {w.since} | {flag} |")
     return out
+
+
+def _number(patch: str) -> str:
+    """A patch's queue number (`0005-scheduler-...patch` -> 0005): what a cell names the patches it left out by."""
+    return patch.split("-", 1)[0]
 
 
 def _hits(outcomes: Sequence[Outcome], case: str) -> str:
