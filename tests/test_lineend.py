@@ -75,6 +75,7 @@ def test_y_is_the_first_release_whose_v2_runner_serves_the_kind() -> None:
     assert ways[L.MIXED].since == "0.26.0" and ways[L.MIXED].default_from == "0.29.0"
     assert f"with {L.FLAG}; from 0.29.0 V2 is the default" in ways[L.MIXED].text()
     assert end.scanned == ("0.25.1", "0.26.0", "0.29.0", "0.34.0")
+    assert "stay on a pin before 0.34.0, or leave them" in end.lines()[-1]  # the line's end, computed too
     # The negative control: the same releases against a tree that still has V1 give no line-end verdict.
     assert L.line_end(manifest_stub(), "0.33.0", tree(v1_tree()), readers=releases()) is None
 

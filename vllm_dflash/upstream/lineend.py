@@ -182,12 +182,16 @@ class LineEnd:
         served = f"is served by V2 from {y}" if y else "is served by no V2 release pinned in dist.toml"
         return f"V1 removed in {self.version}; {what} {served}"
 
+    def stay(self) -> str:
+        """Where a user may stay: a pin older than the release without V1 (a git ref names no release)."""
+        return f"before {self.version}" if self.version[:1].isdigit() else "of a release that still has V1"
+
     def lines(self) -> list[str]:
         out = [self.verdict(), f"  V1 gone: {'; '.join(self.evidence)}"]
         out += [f"  {w.text()}" for w in self.ways if self.drafter is None or w.kind == self.drafter]
         out.append(f"  from the sources of {', '.join(self.scanned)} (dist.toml [releases] and pins)")
         out.append(
-            "  our patches are for Model Runner V1: stay on a pin up to 0.33.x, or leave them (docs/upstream.md, "
+            f"  our patches are for Model Runner V1: stay on a pin {self.stay()}, or leave them (docs/upstream.md, "
             "'Leaving the patches')"
         )
         return out
