@@ -50,6 +50,7 @@ def _row(name: str, counters: dict[str, Any], acceptance: dict[str, Any], lossle
         "build": name,
         "acceptance_length": acceptance.get("mean_acceptance_length"),
         "drafts": counters.get("num_drafts"),
+        "draft_tokens": counters.get("num_draft_tokens"),  # / drafts < k: drafts cut by the token budget
         "accepted": counters.get("num_accepted_tokens"),
         "prompt_tokens_looked_up": queries,
         "prefix_cache_hits": hits,
