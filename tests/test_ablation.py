@@ -5,6 +5,7 @@ source tree (heavy)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -134,6 +135,7 @@ def test_a_warm_ablation_runs_nothing_and_a_cold_one_leaves_only_its_verdict(
     assert left == [f".{cold.key}.lock", f"{cold.key}.json"], left  # the scratch build and runtime are gone
     warm = A.ablate(view, q, kv)
     assert calls == ["build", "run"] and warm.cached and warm.as_json() == cold.as_json()
+    assert cold.wheel == ("w.whl", hashlib.sha256(b"x").hexdigest())  # the verdict names the bytes that ran
     assert json.loads((A.ablation_dir() / f"{cold.key}.json").read_text())["verdict"] == NEEDED
     # A patch that names no fix is never run: no case could show it.
     log = _patch(m, "0.25.1", "0005")

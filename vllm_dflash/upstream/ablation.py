@@ -36,7 +36,7 @@ from vllm_dflash.conformance.compare import (
     queue_fixes,
     run_conformance,
 )
-from vllm_dflash.fetch import cache_dir
+from vllm_dflash.fetch import cache_dir, sha256_file
 from vllm_dflash.manifest import Manifest
 from vllm_dflash.paths import ensure_dir, sweep_stale, temp_sibling
 from vllm_dflash.pipeline.build import _build_key, check_on_private_tree, scratch_build
@@ -45,7 +45,7 @@ from vllm_dflash.series import Patch, Queue, Queues
 from vllm_dflash.upstream.proof import NEEDED, UNPROVEN, patch_fixes
 
 NOT_NEEDED = "not needed"
-SCHEMA = 1  # bump when the result file's fields change
+SCHEMA = 2  # bump when the result file's fields change (2: the ablated wheel's name and sha256)
 _JUDGE_MODULES = ("cases.py", "compare.py", "oracle.py", "tiny.py", "vllm_side.py")
 
 
@@ -63,6 +63,7 @@ class Ablation:
     key: str = ""
     cached: bool = False  # read from the cache (a warm run)
     seconds: float = 0.0  # what computing it took (0 when cached)
+    wheel: tuple[str, str] = ("", "")  # the ablated build that ran: file name and sha256 (removed after the run)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -76,6 +77,7 @@ class Ablation:
             "statuses": [list(s) for s in self.statuses],
             "key": self.key,
             "seconds": round(self.seconds, 1),
+            "wheel": {"filename": self.wheel[0], "sha256": self.wheel[1]},
         }
 
     @classmethod
@@ -91,6 +93,7 @@ class Ablation:
             key=str(data["key"]),
             cached=True,
             seconds=float(data["seconds"]),
+            wheel=(str(data["wheel"]["filename"]), str(data["wheel"]["sha256"])),
         )
 
 
@@ -202,6 +205,7 @@ def ablate(view: Manifest, queues: Queues, patch: Patch) -> Ablation:
                 tuple((o.case, o.status) for o in run.outcomes),
                 key,
                 seconds=time.monotonic() - t0,
+                wheel=(wheel.name, sha256_file(wheel)),
             )
             tmp = temp_sibling(result)
             tmp.write_text(json.dumps(done.as_json(), indent=1))
