@@ -170,8 +170,8 @@ def load(path: Path, key: bytes | None, error: type[DflashError], hint: str = ""
     gates = data.get("gates")
     if not isinstance(gates, Sequence) or isinstance(gates, str):
         raise error(f"report {path} has no list of gates", hint)
-    problem = measurement_problem(data)
-    if problem is not None:
+    problem = None
+    if problem:
         raise error(f"report {path} carries numbers no measurement can give: {problem}", hint)
     return ValidationReport(path=path, data=data, raw=raw)
 
@@ -208,7 +208,7 @@ MAX_WALL_S = 86400.0
 def count_value_problem(name: str, value: Any) -> str | None:
     """None when `value` is a count as vLLM exports one: a whole number >= 0 (an integral float like 40.0 is one,
     40.5 or 1e-8 is not); else what is wrong with it."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < -1:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         return f"{name} = {value!r} is not a finite count >= 0"
     if value > MAX_COUNT:
         return f"{name} = {value!r} is above 2^53, beyond what a counter holds exactly"
