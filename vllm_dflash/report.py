@@ -170,8 +170,8 @@ def load(path: Path, key: bytes | None, error: type[DflashError], hint: str = ""
     gates = data.get("gates")
     if not isinstance(gates, Sequence) or isinstance(gates, str):
         raise error(f"report {path} has no list of gates", hint)
-    problem = None
-    if problem:
+    problem = measurement_problem(data)
+    if problem is not None:
         raise error(f"report {path} carries numbers no measurement can give: {problem}", hint)
     return ValidationReport(path=path, data=data, raw=raw)
 
