@@ -34,7 +34,8 @@ def _config(context: int, max_num_batched_tokens: int) -> Any:
         scheduler_config=SimpleNamespace(
             max_num_batched_tokens=max_num_batched_tokens, disable_hybrid_kv_cache_manager=False
         ),
-        speculative_config=None,
+        # a DFlash drafter: this build's grouping (patch 0004) applies to it; stock's ignores the method
+        speculative_config=SimpleNamespace(method="dflash"),
     )
 
 
@@ -71,11 +72,19 @@ def sizes(job: dict[str, Any]) -> dict[str, Any]:
 
     drafter = list(job["drafter"])
     windows = [layer.get("window") for layer in drafter]
-    # This build's rule, as the patched model runs it (a speculators-format drafter keeps the whole context).
-    ours = qwen3_dflash.dflash_kv_cache_windows(
-        windows, int(job["num_speculative_tokens"]), speculators=bool(job.get("speculators"))
-    )
     target = list(job.get("target") or [])
+    # This build's rule, as the patched model runs it (a speculators-format drafter keeps the whole context, and so
+    # does one whose KV bytes per token are not its target's: known with a target only).
+    per_token = [
+        spec({**layer, "window": None}, None).page_size_bytes // block for layer in (*drafter[:1], *target[:1])
+    ]
+    ours = qwen3_dflash.dflash_kv_cache_windows(
+        windows,
+        int(job["num_speculative_tokens"]),
+        speculators=bool(job.get("speculators")),
+        kv_bytes_per_token=(per_token[0], per_token[1]) if target else None,
+        target_is_hybrid=bool(job.get("target_is_hybrid")),
+    )
     target_specs = [spec(layer, layer.get("window")) for layer in target]
     return {
         "this_build": rows(drafter, list(ours)),

@@ -63,8 +63,8 @@ class KVCacheFigures:
     # With a target: vLLM's own per-sequence reservation for target + drafter attention layers over its KV-cache
     # groups (kv_cache_utils), this build's layout and stock's (None: no --target).
     reserved_bytes: Mapping[str, int] | None = None
-    # With a hybrid (Gated DeltaNet) target: vLLM's own KV-cache groups of target + drafter (kv_groups_side), this
-    # build's and stock's count, the page and attention block size (None: no --target, or no linear layers).
+    # With a target: vLLM's own KV-cache groups of target + drafter, each build's code in its own environment
+    # (doctor/kvgroups.py): this build's and stock's count, the page and attention block size (None: no --target).
     groups: Mapping[str, Any] | None = None
 
     @property
@@ -143,9 +143,6 @@ _GDN_FIELDS = {
     "linear_value_head_dim": "head_v_dim",
     "linear_conv_kernel_dim": "conv_kernel",
 }
-# CacheConfig's block alignment for attention on CUDA (FlashAttention's kernel block sizes): the hybrid alignment
-# rounds the attention block up to a multiple of it.
-KERNEL_BLOCK_ALIGNMENT = 16
 
 
 def target_gdn(raw: Mapping[str, Any]) -> dict[str, int] | None:
@@ -199,6 +196,7 @@ def per_sequence(
         "num_speculative_tokens": k,
         "drafter": drafter,
         "target": tlayers,
+        "target_is_hybrid": target is not None and target_gdn(target) is not None,
         "speculators": ck.speculators,
     }
     wheel = cached_build(manifest, queues, "cpu", "dflash")
@@ -214,27 +212,12 @@ def per_sequence(
         hint="the vLLM environment is broken: delete it under the cache's envs/ and retry",
     )
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    gdn = target_gdn(target) if target is not None else None
     groups = None
-    if gdn is not None:
-        gjob = {
-            "dtype": dtype,
-            "kernel_block_alignment": KERNEL_BLOCK_ALIGNMENT,
-            "num_speculative_tokens": k,
-            "target": {"attention": tlayers, "gdn": gdn},
-            "drafter": drafter,
-        }
-        gres = proc.call(
-            env.python,
-            "-m",
-            "vllm_dflash.doctor.kv_groups_side",
-            json.dumps(gjob),
-            env=env.environ(extra_pythonpath=(Path(repo_pythonpath(manifest)),), kv_cache_gib=None),
-            capture=True,
-            error=ConformanceError,
-            hint="the vLLM environment is broken: delete it under the cache's envs/ and retry",
-        )
-        groups = json.loads(gres.stdout.strip().splitlines()[-1])
+    if target is not None:
+        from vllm_dflash.doctor import kvgroups
+
+        gjob = {**job, "target": {"attention": tlayers, "gdn": target_gdn(target)}}
+        groups = kvgroups.groups(manifest, queues, gjob)
     return KVCacheFigures(
         context=context,
         dtype=dtype,
@@ -287,16 +270,9 @@ def render_text(f: KVCacheFigures) -> str:
             f"({_mib(r['stock'])})"
         )
     if f.groups:
-        g = f.groups
+        from vllm_dflash.doctor import kvgroups
 
-        def count(side: Mapping[str, Any]) -> str:
-            return str(side["count"]) if "count" in side else f"refused ({side.get('error')})"
-
-        out.append(
-            f"  KV-cache groups (vLLM {g.get('vllm_version')}'s get_kv_cache_groups, target + drafter): this build "
-            f"{count(g[_THIS])}, stock {count(g['stock'])}; attention blocks of {g['attention_block_size']} tokens, "
-            f"pages of {g['attention_page_size_bytes']:,} bytes"
-        )
+        out.append(kvgroups.render(f.groups))
     return "\n".join(out)
 
 
