@@ -223,11 +223,12 @@ def run_command(
     env: dict[str, str] | None = None,
     mounts: Sequence[str] = (),
     user: str = ARBITRARY_USER,
+    container_port: int = 8000,
 ) -> list[str]:
-    """`podman run -d` of the twin by its ID, as a stack runs it: an arbitrary UID in group 0, port 8000 published
-    on loopback only, the image's entrypoint unless `entrypoint` overrides it (a Kubernetes `command`)."""
+    """`podman run -d` of the twin by its ID, as a stack runs it: an arbitrary UID in group 0, the server's port
+    published on loopback only, the image's entrypoint unless `entrypoint` overrides it (a Kubernetes `command`)."""
     cmd = [*twin.prefix, "run", "-d", "--name", name, *PODMAN_RUN, *ULIMITS, "--no-healthcheck"]
-    cmd += ["--user", user, "-p", f"127.0.0.1:{port}:8000"]
+    cmd += ["--user", user, "-p", f"127.0.0.1:{port}:{container_port}"]
     for mount in mounts:
         cmd += ["-v", mount]
     for key, value in sorted((env or {}).items()):
@@ -245,11 +246,12 @@ def container(
     env: dict[str, str] | None = None,
     mounts: Sequence[str] = (),
     user: str = ARBITRARY_USER,
+    container_port: int = 8000,
 ) -> Iterator[Container]:
     """One running container of the twin; removed afterwards, whatever happened."""
     name = f"vllm-dflash-twin-{free_port()}-{time.monotonic_ns() % 10**6}"
     port = free_port()
-    cmd = run_command(twin, name, port, args, entrypoint, env, mounts, user)
+    cmd = run_command(twin, name, port, args, entrypoint, env, mounts, user, container_port)
     print("+ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     try:
