@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_dflash import report as reports
 from vllm_dflash.cli import main
 from vllm_dflash.errors import MeasurementError, ReplicaDownError
 from vllm_dflash.validate import metrics
@@ -172,6 +173,13 @@ def test_both_replicas_are_read_and_added_up(tmp_path: Path, fleet: tuple[str, s
     assert delta["num_drafts"] == 12 and delta["num_accepted_tokens"] == 18
     # AL from both: 1 + 18 / 12; either replica alone would say 3.0 or 2.0
     assert report["acceptance"]["mean_acceptance_length"] == 2.5  # type: ignore[index]
+    # What every reader of the report checks again: the replicas add up to the delta the verdict is judged on.
+    assert reports.measurement_problem(report) is None
+    rows[1]["counters"]["num_drafts"] += 2
+    assert "replicas' num_drafts add up to 14, its delta says 12" in str(reports.measurement_problem(report))
+    rows[1]["counters"]["num_drafts"] -= 2
+    rows[0]["counters"]["num_accepted_tokens_per_pos"]["0"] -= 1
+    assert "num_accepted_tokens_per_pos[0] do not add up" in str(reports.measurement_problem(report))
 
 
 def test_the_routers_own_metrics_are_refused(
