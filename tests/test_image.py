@@ -167,6 +167,31 @@ def test_build_image_refuses_other_version_and_target(tmp_path: Path, manifest: 
         img.pick_tool("nerdctl")
 
 
+def test_cpu_target_refusals(tmp_path: Path, manifest: Manifest) -> None:
+    """The CPU twin needs our CPU build (a vllm-cpu wheel) and the CPU runtime environment (a venv); it is built for
+    this machine only. Each refusal is one line, exit 11."""
+    labels = _labels(manifest)
+    gpu = tmp_path / f"vllm-{manifest.version}-cp38-abi3-manylinux_2_35_x86_64.whl"
+    cpu = tmp_path / f"vllm_cpu-{manifest.version}-cp38-abi3-manylinux_2_28_x86_64.whl"
+    for wheel in (gpu, cpu):
+        wheel.write_bytes(b"")
+    opts = img.ImageOptions(target="cpu", tool="podman")
+    with pytest.raises(ContainerError, match="is not a wheel of vllm-cpu"):
+        img.build_image(labels, REPO / "Dockerfile", gpu, replace(opts, cpu_env=tmp_path))
+    with pytest.raises(ContainerError, match="needs the CPU runtime environment"):
+        img.build_image(labels, REPO / "Dockerfile", cpu, replace(opts, cpu_env=tmp_path))  # no pyvenv.cfg there
+    (tmp_path / "pyvenv.cfg").write_text("version = 3.11.7\n")
+    args = img.build_args(labels, replace(opts, cpu_env=tmp_path, base_image="python:3.11-slim"), cpu)
+    assert args["CPU_BASE_IMAGE"] == "python:3.11-slim" and "BASE_IMAGE" not in args
+    assert args["CPU_ENV_KEY"] == tmp_path.name and len(args["WHEEL_SHA256"]) == 64
+    cmd = img.build_command("podman", replace(opts, cpu_env=tmp_path), REPO / "Dockerfile", tmp_path, "t", tmp_path, {})
+    assert cmd[cmd.index("--build-context") + 1] == f"cpu-env={tmp_path}"
+    m = _fake_checkout(tmp_path, manifest)
+    res = _cli("--root", str(m.root), "image", "--target", "cpu", "--tool", "podman", "--platform", FOREIGN)
+    assert res.returncode == ContainerError.return_code and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "the cpu target runs on this machine's platform only" in res.stderr
+
+
 def _binfmt(tmp_path: Path, text: str | None) -> Path:
     """A binfmt_misc folder of our own, with the other platform's handler written as the kernel shows it (or none)."""
     d = tmp_path / "binfmt_misc"
