@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cpu_twin import ARBITRARY_USER, Container, Twin, container, ensure_twin, logs
+from cpu_twin import ARBITRARY_USER, PODMAN_RUN, ULIMITS, Container, Twin, container, ensure_twin, logs
 
 from vllm_dflash import envs
 from vllm_dflash.errors import MeasurementError, ReplicaDownError
@@ -194,7 +194,7 @@ def _wheel_hashes(wheel: Path) -> dict[str, str]:
 def _inside(twin: Twin, check: Path, wheel: Path) -> dict[str, Any]:
     (check / "expected.json").write_text(json.dumps(_wheel_hashes(wheel)))
     res = subprocess.run(
-        [*twin.prefix, "run", "--rm", "--runtime", "runc", "--cgroup-manager", "cgroupfs", "--network", "none",
+        [*twin.prefix, "run", "--rm", *PODMAN_RUN, *ULIMITS, "--no-healthcheck", "--network", "none",
          "--user", ARBITRARY_USER, "-v", f"{check}:/check:ro", "--entrypoint", "python3", twin.digest,
          "/check/check.py", "vllm-cpu", "/check/expected.json"],
         capture_output=True, text=True, check=True, timeout=600,
@@ -239,7 +239,7 @@ def test_hf_cache_variables_find_the_mounted_models(twin: Twin, hf_home: Path) -
     probe = f"from huggingface_hub import snapshot_download as s; print(s('{TARGET_REPO}'))"
 
     def resolve(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-        cmd = [*twin.prefix, "run", "--rm", "--runtime", "runc", "--cgroup-manager", "cgroupfs", "--network", "none",
+        cmd = [*twin.prefix, "run", "--rm", *PODMAN_RUN, *ULIMITS, "--no-healthcheck", "--network", "none",
                "--user", ARBITRARY_USER, "-v", f"{hf_home}:/models:ro", "-e", "HF_HUB_OFFLINE=1"]  # fmt: skip
         for k, v in env.items():
             cmd += ["-e", f"{k}={v}"]
