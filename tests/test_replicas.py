@@ -231,18 +231,6 @@ def test_a_replica_that_is_down_exits_28(
     assert a.requests == 0  # found before a request was sent
 
 
-def test_counters_add_up_position_by_position() -> None:
-    x = metrics.parse_spec_counters(Replica(2).metrics())
-    one = metrics.SpecCounters(drafts=2, draft_tokens=6, accepted=3, per_position={0: 2, 1: 1}, present=True,
-                               finished_requests=1)  # fmt: skip
-    two = metrics.SpecCounters(drafts=4, draft_tokens=12, accepted=2, per_position={0: 2, 2: 0}, present=True,
-                               finished_requests=2)  # fmt: skip
-    total = metrics.total([one, two])
-    assert (total.drafts, total.draft_tokens, total.accepted) == (6, 18, 5)
-    assert total.per_position == {0: 4, 1: 1, 2: 0} and total.finished_requests == 3
-    assert x.finished_requests == 0 and metrics.parse_spec_counters("").finished_requests is None
-    assert metrics.accounting_problem([one, two], 3, ["u1", "u2"]) is None
-    assert "missing" in str(metrics.accounting_problem([one, two], 4, ["u1", "u2"]))
-    assert "named twice" in str(metrics.accounting_problem([one, two], 2, ["u1", "u2"]))
-    no_count = metrics.SpecCounters(present=True)
-    assert "export no vllm:request_success" in str(metrics.accounting_problem([one, no_count], 1, ["u1", "u2"]))
+def test_a_replicas_finished_requests_are_read() -> None:
+    """The fake replica's /metrics carries vllm:request_success as vLLM's does (tests/test_metrics.py adds them up)."""
+    assert metrics.parse_spec_counters(Replica(2).metrics()).finished_requests == 0
