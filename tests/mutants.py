@@ -274,6 +274,7 @@ MUTANTS: list[tuple[str, str, str]] = [
     (M, "    if finished == sent:", "    if finished >= sent:"),
     (M, "    if finished < sent:", "    if finished > sent:"),
     (M, "delta.finished_requests >= sent:", "delta.finished_requests >= 0:"),
+    (M, "and self.started != before.started:", "and False:"),
 ]
 
 

@@ -194,3 +194,16 @@ def test_one_servers_metrics_that_miss_requests() -> None:
     assert "counts 3 finished requests of the 6" in str(metrics.hidden_servers_problem(seen, 6, "http://r"))
     assert metrics.hidden_servers_problem(seen, 3, "http://r") is None
     assert metrics.hidden_servers_problem(metrics.SpecCounters(present=True), 6, "http://r") is None
+
+
+def test_scrapes_answered_by_two_servers_are_no_delta() -> None:
+    """A load balancer in front of /metrics (vllm-router answers it from one replica, then another): the two scrapes'
+    process start times differ, and their difference is no server's drafts."""
+    body = "# TYPE vllm:spec_decode_num_drafts counter\nvllm:spec_decode_num_drafts_total 5.0\n"
+    a, b = (parse_spec_counters(f"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {s}\n{body}")
+            for s in ("1765000000.25", "1765000001.5"))  # fmt: skip
+    assert (a.started, b.started) == (1765000000.25, 1765000001.5)
+    assert a.minus(a).drafts == 0
+    with pytest.raises(MeasurementError, match="answered by different server processes"):
+        b.minus(a)
+    assert parse_spec_counters(body).minus(a).drafts == 0  # a server that exports no start time: nothing to tell

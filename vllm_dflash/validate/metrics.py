@@ -41,6 +41,9 @@ PREFIX_HITS = "vllm:prefix_cache_hits"
 # Finished requests (one sample per finish reason): behind a router, each request finishes on exactly one replica, so
 # the replicas' deltas must add up to the requests the run sent (none missing, none counted twice).
 REQUEST_SUCCESS = "vllm:request_success"
+# When the serving process started (prometheus_client's process collector, on vLLM's default registry): which server
+# answered a scrape. A load balancer in front of /metrics answers from one replica, then another.
+PROCESS_START = "process_start_time_seconds"
 
 
 @dataclass(frozen=True)
@@ -75,10 +78,19 @@ class SpecCounters:
     # Requests finished (vllm:request_success, every finish reason; None: not exported): not a report counter, the
     # accounting of which servers answered the run's requests.
     finished_requests: float | None = None
+    # The answering process's start time (PROCESS_START; None: not exported, or counters of several servers added).
+    started: float | None = None
 
     def minus(self, before: SpecCounters) -> SpecCounters:
         """The counts added between `before` and this scrape; MeasurementError when a counter went down (the
-        server restarted in between, or it is not a counter at all)."""
+        server restarted in between, or it is not a counter at all) or another process answered this scrape."""
+        if self.started is not None and before.started is not None and self.started != before.started:
+            raise MeasurementError(
+                f"two scrapes of /metrics were answered by different server processes (started at {before.started:.2f} "
+                f"and {self.started:.2f}): a router or load balancer in front of /metrics, or a restart, so the "
+                "difference of their counters is no server's drafts",
+                "pass each replica behind the router with --metrics (docs/deploy.md), or --endpoint one server",
+            )
         mine, theirs = self.named(), before.named()
         for name, old in theirs.items():
             new = mine.get(name, 0.0)
@@ -179,7 +191,11 @@ def parse_spec_counters(text: str) -> SpecCounters:
             f"/metrics is not Prometheus text format: {str(exc)[:300]}", "check that the URL is a vLLM server"
         ) from None
     observed: dict[str, str] = {}
+    started: float | None = None
     for family in families:
+        if family.name == PROCESS_START and len(family.samples) == 1:
+            started = float(family.samples[0].value)
+            continue
         if family.name == CACHE_CONFIG_INFO and family.samples:
             labels = family.samples[0].labels
             observed = {k: str(labels[k]) for k in OBSERVED_CACHE_FIELDS if k in labels}
@@ -225,6 +241,7 @@ def parse_spec_counters(text: str) -> SpecCounters:
         prefix_cache_queries=totals.get(PREFIX_QUERIES, 0.0),
         prefix_cache_hits=totals.get(PREFIX_HITS, 0.0),
         finished_requests=totals.get(REQUEST_SUCCESS),
+        started=started,
     )
 
 
