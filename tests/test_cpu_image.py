@@ -395,15 +395,19 @@ def test_a_replica_that_is_down_is_an_error_of_its_own(twin: Twin, replicas: Rep
 # ----------------------------------------------------------------------------------- KServe's own command
 
 
-def test_kserve_servingruntime_command_serves_the_miniature(twin: Twin, mini_models: Path, manifest: Manifest) -> None:
+def test_kserve_servingruntime_command_serves_the_miniature(twin: Twin, hf_home: Path, manifest: Manifest) -> None:
     """The ServingRuntime container deploy.py writes, for the miniature's profile: `bash -c "exec vllm serve
-    /mnt/models … --port 8080"`, the model mounted where KServe mounts it, run as written (command and env)."""
+    /mnt/models … --port 8080"`, the model mounted where KServe mounts it, run as written (command and env). The
+    models are hf_home's copies, readable by any UID (the cache's own weights are the owner's only)."""
+    snap = {}
+    for name, repo in (("target", TARGET_REPO), ("drafter", DRAFTER_REPO)):
+        (snap[name],) = (hf_home / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots").iterdir()
     profile = mini_profile(manifest, "/mnt/models", "/mnt/drafter")
     spec = deploy.serving_runtime(profile, ImageRef("localhost/vllm-dflash-cpu", twin.digest))["spec"]
     c = spec["containers"][0]
     assert c["command"][:2] == ["bash", "-c"] and c["command"][2].startswith("exec vllm serve /mnt/models ")
     env = {e["name"]: e["value"] for e in c["env"]}
-    mounts = [f"{mini_models / 'target'}:/mnt/models:ro", f"{mini_models / 'drafter'}:/mnt/drafter:ro"]
+    mounts = [f"{snap['target']}:/mnt/models:ro", f"{snap['drafter']}:/mnt/drafter:ro"]
     port = c["ports"][0]["containerPort"]
     with container(twin, c["command"][1:], entrypoint=["bash"], env=env, mounts=mounts, container_port=port) as k:
         waited = _wait(twin, k)
