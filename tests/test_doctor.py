@@ -958,6 +958,35 @@ def test_context_with_the_profiles_serve_arguments(tmp_path: Path) -> None:
     assert figures[2]["this_build"] == full + 4 * (min(2048 + 15 - 1 + 32768, 16384) // 16 + 1) * page
 
 
+@pytest.mark.heavy
+def test_the_whole_model_reserves_less_than_stock_with_the_profiles_serve_arguments(tmp_path: Path) -> None:
+    """Issue 38 on the user's shape and serve arguments: Qwen3.6-27B + the z-lab drafter with the qwen3.6-27b
+    profile (16K context, 32,768 batched tokens), grouped by each build's own get_kv_cache_groups. With the group
+    size taken from the full-attention kind alone (17), the 4 sliding layers filled a group of 17 pools and each of
+    their blocks cost 17 pages: 3,648,716,800 bytes per request against stock's 2,990,080,000. This build must
+    reserve less than stock, in no more groups than stock + 2, with the target's block and page size."""
+    (tmp_path / "target.json").write_text(json.dumps(Q36_TARGET))
+    out = tmp_path / "d.json"
+    ck = REPO / "vllm_dflash" / "doctor" / "checkpoints" / "z-lab--Qwen3.6-27B-DFlash.json"
+    args = ["doctor", str(ck), "--target", str(tmp_path / "target.json"), "--context", "16384", "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm_dflash", "--root", str(REPO), *args, "--profile", "qwen3.6-27b"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 20, run.stderr[-2000:]
+    g = json.loads(out.read_text())["kv_cache"]["groups"]
+    mine, stock = g["this_build"], g["stock"]
+    assert stock["count"] == 15 and mine["count"] <= stock["count"] + 2, (mine, stock)
+    assert mine["page_size_bytes"] == stock["page_size_bytes"] and mine["block_sizes"] == stock["block_sizes"]
+    assert mine["drafter_windows"] == [2048 + 15] * 4 + [None]
+    assert mine["bytes_per_request"] < stock["bytes_per_request"], (mine, stock)
+    # No group of the sliding kind is padded past the largest group the layout needs for its other kinds.
+    sliding = [n for kind, n, _ in mine["groups"] if kind == "SlidingWindowSpec"]
+    assert sliding == [4] and max(n for _, n, _ in mine["groups"]) < 17
+
+
 @pytest.mark.parametrize("case", ["refs-not-utf8", "refs-huge", "fifo-weights"])
 def test_hostile_cache_files_are_one_line_exit_18(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
