@@ -9,9 +9,11 @@ Two parts, each printed side by side, this build / stock:
   8 x 128, bf16, k = 15, CUDA's block alignment). Each build's own specs and `get_kv_cache_groups`, run in its own
   CPU environment, give the layout (doctor/kv_groups_side.py); vLLM's real `KVCacheManager` over it, no weights,
   takes the calls the scheduler makes each step for every running request (`allocate_slots` with the k lookahead
-  slots, the new block ids per group, `free` at the end): 8 requests, 16,384-token prompts in 2,048-token chunks,
-  then 256 decode steps of 5 tokens (1 + 4 accepted). Beside them, for reference, the layout patch 0004 gave before
-  (vLLM's own `_get_kv_cache_groups_uniform_page_size` on this build's specs: 69 groups of one layer).
+  slots, the new block ids per group, `free` at the end): 8 requests, their prompts in chunks, then 256 decode
+  steps of 5 tokens (1 + 4 accepted), at two serve shapes: 131,072 tokens with 2,048 batched (16,384-token prompts)
+  and the qwen3.6-27b profile's 16,384 tokens with 32,768 batched (12,288-token prompts, one chunk each): the group
+  size 0004 picks depends on them (what a request reserves). Beside them, for reference, the layout patch 0004 gave
+  before issue 38 (vLLM's own `_get_kv_cache_groups_uniform_page_size` on this build's specs: 69 groups of one layer).
 - `runner`: the per-step scheduler + model-runner time of a real engine on a hybrid target: the tiny Qwen3.5 target
   that `vllm_dflash/conformance/hybrid.py` builds and serves (6 GDN + 2 full attention layers; the `mini-cpu-hybrid`
   miniature is another helper's, not yet merged), with its z-lab-shaped drafter (4 sliding + 1 full), fp32, the
@@ -38,9 +40,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 GOAL = 1.05
-# The manager part's workload.
-REQUESTS, PROMPT, CHUNK, DECODE_STEPS, TOKENS_PER_STEP, K = 8, 16384, 2048, 256, 5, 15
-CONTEXT = 131072
+# The manager part's workload: 8 requests, then per serve shape (context, batched tokens, prompt): 128K with vLLM's
+# default 2,048-token chunks, and the qwen3.6-27b profile's serve arguments (16,384 tokens, 32,768 batched), where each
+# build groups the same layers differently.
+REQUESTS, DECODE_STEPS, TOKENS_PER_STEP, K = 8, 256, 5, 15
+SHAPES = ((131072, 2048, 16384), (16384, 32768, 12288))
 Q36_TARGET = {
     "attention": [{"num_kv_heads": 4, "head_dim": 256, "window": None}] * 16,
     "gdn": {"count": 48, "num_k_heads": 16, "num_v_heads": 48, "head_k_dim": 128, "head_v_dim": 128, "conv_kernel": 4},
@@ -65,29 +69,31 @@ def _step(manager: Any, reqs: list[Any], n_of: Any, out: list[float]) -> None:
             req.append_output_token_ids([1] * TOKENS_PER_STEP)
 
 
-def _manager_steps(kv_cache_config: Any, repeat: int) -> dict[str, float]:
+def _manager_steps(kv_cache_config: Any, job: dict[str, Any]) -> dict[str, float]:
     """Median seconds per scheduler step (prefill and decode) of the real KVCacheManager over `kv_cache_config`."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import Request
 
+    context, prompt, chunk = int(job["context"]), int(job["prompt"]), int(job["max_num_batched_tokens"])
+    chunk = min(chunk, prompt)
     attention = min(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups)
     prefill: list[float] = []
     decode: list[float] = []
-    for _ in range(repeat):
+    for _ in range(int(job["repeat"])):
         manager = KVCacheManager(
             kv_cache_config,
-            max_model_len=CONTEXT,
+            max_model_len=context,
             hash_block_size=attention,
-            max_num_batched_tokens=CHUNK,
+            max_num_batched_tokens=chunk,
             enable_caching=False,
             use_eagle=True,
         )
         reqs = [
-            Request(f"r{i}", [1] * PROMPT, SamplingParams(max_tokens=CONTEXT - PROMPT), None) for i in range(REQUESTS)
+            Request(f"r{i}", [1] * prompt, SamplingParams(max_tokens=context - prompt), None) for i in range(REQUESTS)
         ]
-        for _ in range(PROMPT // CHUNK):
-            _step(manager, reqs, lambda r: CHUNK, prefill)
+        for _ in range(prompt // chunk):
+            _step(manager, reqs, lambda r: chunk, prefill)
         for _ in range(DECODE_STEPS):
             _step(manager, reqs, lambda r: r.num_tokens - r.num_computed_tokens, decode)
         for req in reqs:
@@ -109,7 +115,7 @@ def side_manager(job: dict[str, Any]) -> dict[str, Any]:
     for name, groups in layouts.items():
         reserve = kv_cache_utils._max_memory_usage_bytes_from_groups(config, groups)
         cfg = kv_cache_utils.get_kv_cache_config_from_groups(config, groups, int(reserve * REQUESTS * 1.25))
-        result[name] = {"groups": len(groups), **_manager_steps(cfg, int(job["repeat"]))}
+        result[name] = {"groups": len(groups), "reserved": int(reserve), **_manager_steps(cfg, job)}
     return result
 
 
@@ -226,30 +232,35 @@ def _ratio(a: float, b: float) -> str:
 
 
 def part_manager(repeat: int) -> None:
-    job = {
-        "dtype": "bfloat16",
-        "kernel_block_alignment": 16,
-        "num_speculative_tokens": K,
-        "context": CONTEXT,
-        "max_num_batched_tokens": CHUNK,
-        "target": Q36_TARGET,
-        "drafter": Q36_DRAFTER,
-        "repeat": repeat,
-    }
-    mine = _side("dflash", "manager", {**job, "before": True})
-    stock = _side("stock", "manager", job)
-    print(
-        f"\nKV-cache manager per scheduler step, Qwen3.6-27B + z-lab/Qwen3.6-27B-DFlash layout ({REQUESTS} requests, "
-        f"{PROMPT:,}-token prompts in {CHUNK:,}-token chunks, {DECODE_STEPS} decode steps of {TOKENS_PER_STEP} "
-        f"tokens, k = {K}; median of {repeat} runs):"
-    )
-    rows = [("this build", mine["this env"]), ("stock 0.20.1", stock["this env"]), ("0004 before", mine["before"])]
-    print(f"  {'layout':<14} {'groups':>6} {'prefill step':>14} {'decode step':>13}")
-    for name, r in rows:
-        print(f"  {name:<14} {r['groups']:>6} {r['prefill_s'] * 1e6:>11.1f} us {r['decode_s'] * 1e6:>10.1f} us")
-    a, b = mine["this env"], stock["this env"]
-    prefill, decode = _ratio(a["prefill_s"], b["prefill_s"]), _ratio(a["decode_s"], b["decode_s"])
-    print(f"  this build / stock: prefill {prefill}, decode {decode}")
+    for context, chunk, prompt in SHAPES:
+        job = {
+            "dtype": "bfloat16",
+            "kernel_block_alignment": 16,
+            "num_speculative_tokens": K,
+            "context": context,
+            "max_num_batched_tokens": chunk,
+            "prompt": prompt,
+            "target": Q36_TARGET,
+            "drafter": Q36_DRAFTER,
+            "repeat": repeat,
+        }
+        mine = _side("dflash", "manager", {**job, "before": True})
+        stock = _side("stock", "manager", job)
+        print(
+            f"\nKV-cache manager per scheduler step, Qwen3.6-27B + z-lab/Qwen3.6-27B-DFlash layout at {context:,} "
+            f"tokens, {chunk:,} batched ({REQUESTS} requests, {prompt:,}-token prompts in {min(chunk, prompt):,}-token "
+            f"chunks, {DECODE_STEPS} decode steps of {TOKENS_PER_STEP} tokens, k = {K}; median of {repeat} runs):"
+        )
+        rows = [("this build", mine["this env"]), ("stock 0.20.1", stock["this env"]), ("0004 before", mine["before"])]
+        print(f"  {'layout':<14} {'groups':>6} {'reserved/request':>17} {'prefill step':>14} {'decode step':>13}")
+        for name, r in rows:
+            print(
+                f"  {name:<14} {r['groups']:>6} {r['reserved'] / (1 << 20):>13,.1f} MiB "
+                f"{r['prefill_s'] * 1e6:>11.1f} us {r['decode_s'] * 1e6:>10.1f} us"
+            )
+        a, b = mine["this env"], stock["this env"]
+        prefill, decode = _ratio(a["prefill_s"], b["prefill_s"]), _ratio(a["decode_s"], b["decode_s"])
+        print(f"  this build / stock: prefill {prefill}, decode {decode}")
 
 
 def part_runner(repeat: int) -> None:

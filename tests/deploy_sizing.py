@@ -5,10 +5,11 @@ table between its markers in docs/deploy.md); tests/test_deploy.py checks that t
   (transformers' Qwen3_5ForCausalLM, dflash 0.1.0's DFlashDraftModel) built on the meta device in the reference
   environment, times 2 bytes (bf16). The target's shape is Qwen3.6-27B's text model (the public config's fields,
   tests/test_doctor.py's Q36_TARGET, with the sizes below); its vision tower is not counted.
-- KV cache per sequence: `vllm-dflash doctor --context N --target ... --profile qwen3.6-27b --json`, i.e. vLLM's own
-  KV-cache specs and grouping run by the doctor (its reservation for target + drafter attention over the KV-cache
-  groups, this build and stock), plus the Gated DeltaNet state: one page per linear-attention layer (the doctor's
-  groups: 48 layers x the page vLLM pads them to).
+- KV cache per sequence: `vllm-dflash doctor --context N --target ... --profile qwen3.6-27b --json`, i.e. each
+  build's own KV-cache specs and `get_kv_cache_groups` over the whole model (48 Gated DeltaNet layers, 16 full
+  attention layers, the drafter's 5), and what vLLM reserves per request over those groups
+  (`_max_memory_usage_bytes_from_groups`: every group's blocks times the pools, the padding included; a GDN layer
+  keeps 1 + k state pages with k drafted tokens), `kv_cache.groups.{this_build,stock}.bytes_per_request`.
 - Sequences that fit: (GPU memory x 0.9 - weights) / KV per sequence, rounded down: an upper bound, since vLLM
   also keeps activations and CUDA graphs out of the 0.9 (`--gpu-memory-utilization`).
 """
@@ -96,16 +97,6 @@ def kv_per_sequence(context: int) -> dict[str, Any]:
         return kv
 
 
-def _gdn_state(kv: dict[str, Any], side: str) -> int:
-    """Bytes of Gated DeltaNet state per sequence: one page per linear-attention layer, at the page size vLLM's own
-    grouping gives every layer of the model (the doctor's groups)."""
-    from test_doctor import Q36_TARGET
-
-    layers = list(Q36_TARGET["text_config"]["layer_types"]).count("linear_attention")  # type: ignore[index]
-    pages = kv["groups"][side]["page_size_bytes"]
-    return int(layers * max(pages))
-
-
 def table(counts: dict[str, int] | None = None) -> str:
     counts = counts or parameters()
     weights = {k: 2 * v for k, v in counts.items()}  # bf16
@@ -115,15 +106,16 @@ def table(counts: dict[str, int] | None = None) -> str:
         f"{weights['target'] / GIB:.1f} GiB, drafter {counts['drafter'] / 1e9:.2f} B = {weights['drafter'] / GIB:.1f} "
         f"GiB; together {total_weights / GIB:.1f} GiB (one copy per replica; split over TP ranks).",
         "",
-        "| context | build | KV per sequence: attention (target + drafter) + GDN state | sequences in "
+        "| context | build | KV-cache groups | reserved per sequence (attention + GDN state) | sequences in "
         + " / ".join(f"{g} GiB" for g in GPUS_GIB)
         + " (bf16, TP 1) | same at TP 2 (per pair of GPUs) |",
-        "| ---: | --- | ---: | ---: | ---: |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for context in CONTEXTS:
         kv = kv_per_sequence(context)
         for side, name in (("this_build", "this build"), ("stock", "stock 0.20.1")):
-            per_seq = int(kv["reserved_bytes"][side]) + _gdn_state(kv, side)
+            groups = kv["groups"][side]
+            per_seq = int(groups["bytes_per_request"])
             fits = []
             for tp in (1, 2):
                 row = []
@@ -132,8 +124,7 @@ def table(counts: dict[str, int] | None = None) -> str:
                     row.append(str(max(0, int(free // per_seq))))
                 fits.append(" / ".join(row))
             lines.append(
-                f"| {context:,} | {name} | {per_seq / GIB:.2f} GiB ({int(kv['reserved_bytes'][side]) / GIB:.2f} + "
-                f"{_gdn_state(kv, side) / GIB:.2f}) | {fits[0]} | {fits[1]} |"
+                f"| {context:,} | {name} | {groups['count']} | {per_seq / GIB:.2f} GiB | {fits[0]} | {fits[1]} |"
             )
     return "\n".join(lines)
 
