@@ -157,29 +157,27 @@ def side_runner(job: dict[str, Any]) -> dict[str, Any]:
         (DFlashProposer, "build_per_group_and_layer_attn_metadata"),
     ):
         timed(cls, name, "bookkeeping")
-    model = Path(job["model"])
+    shape = job["shape"]
     llm = LLM(
-        model=str(model),
+        model=job["target"],
         dtype="float32",
         seed=0,
-        max_model_len=256,
         enforce_eager=True,
         limit_mm_per_prompt={"image": 0, "video": 0},
         kv_cache_memory_bytes=256 << 20,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
         distributed_executor_backend=UniProcExecutor,
-        speculative_config={"method": "dflash", "model": str(model / "drafter"), "num_speculative_tokens": 3},
+        speculative_config={"method": "dflash", "model": job["drafter"], "num_speculative_tokens": int(job["k"])},
+        **shape,
     )
     groups = len(llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups)
-    prompts = [[(i * 7 + 3 + 31 * n) % 250 for i in range(96 + 8 * n)] for n in range(4)]
-    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    prompts = job["prompts"]
+    params = SamplingParams(max_tokens=int(job["max_tokens"]), temperature=0.0, ignore_eos=True)
     steps: list[tuple[float, float]] = []
     n_steps = 0
     for round_ in range(int(job["repeat"]) + 1):
         live["on"] = round_ > 0  # the first round warms up
         before = (len(spans["scheduler"]), len(spans["runner"]))
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts], params, use_tqdm=False)
         sched = spans["scheduler"][before[0] :]
         run = spans["runner"][before[1] :]
         # schedule + update_from_output make one step; so do execute_model + sample_tokens
@@ -263,43 +261,80 @@ def part_manager(repeat: int) -> None:
         print(f"  this build / stock: prefill {prefill}, decode {decode}")
 
 
-def part_runner(repeat: int) -> None:
-    from vllm_dflash.conformance import compare, hybrid
+def _runner_jobs() -> list[tuple[str, dict[str, Any]]]:
+    """(what it is, the runner job) for the tiny hybrid conformance target and the mini-cpu-hybrid miniature (its
+    trained models, prompts and serve arguments)."""
+    from vllm_dflash.conformance import hybrid
     from vllm_dflash.envs import reference_python
     from vllm_dflash.manifest import load_manifest
+    from vllm_dflash.mini import host
 
     manifest = load_manifest(REPO)
-    model = hybrid.ensure_case(manifest, reference_python(manifest))
-    job = {"model": str(model), "repeat": repeat}
-    rows = [
-        ("this build", _side("dflash", "runner", job)),
-        ("this build, full-kv", _side("dflash", "runner", job, {"VLLM_DFLASH_FULL_DRAFTER_KV": "1"})),
-        ("stock 0.20.1", _side("stock", "runner", job)),
-    ]
-    del compare
-    print(
-        f"\nPer engine step on the tiny hybrid target (hybrid.py: {hybrid.SPEC.name}, 6 GDN + 2 full layers) with its "
-        "4 sliding + 1 full drafter, fp32, 4 prompts of 96-120 tokens batched, 120 generated each, k = 3; median over "
-        f"{repeat} rounds:"
-    )
-    print(
-        f"  {'build':<20} {'groups':>6} {'steps':>6} {'scheduler':>11} {'runner':>11} {'step':>11} {'groups work':>14}"
-    )
-    for name, r in rows:
+    ref = reference_python(manifest)
+    model = hybrid.ensure_case(manifest, ref)
+    tiny = {
+        "target": str(model),
+        "drafter": str(model / "drafter"),
+        "k": 3,
+        "shape": {"max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 64},
+        "prompts": [[(i * 7 + 3 + 31 * n) % 250 for i in range(96 + 8 * n)] for n in range(4)],
+        "max_tokens": 120,
+    }
+    profile = manifest.profiles["mini-cpu-hybrid"]
+    minis = host.ensure_mini_models(ref, kind="hybrid")
+    mini = {
+        "target": str(minis / "target"),
+        "drafter": str(minis / "drafter"),
+        "k": profile.num_speculative_tokens,
+        # the profile's serve arguments: --max-model-len 512 --max-num-seqs 8 --max-num-batched-tokens 128
+        # --enable-chunked-prefill --enable-prefix-caching --block-size 64
+        "shape": {
+            "max_model_len": 512,
+            "max_num_seqs": 8,
+            "max_num_batched_tokens": 128,
+            "enable_chunked_prefill": True,
+            "enable_prefix_caching": True,
+            "block_size": 64,
+        },
+        "prompts": [p["prompt"] for p in host.read_prompts(minis)][:8],
+        "max_tokens": profile.max_tokens,
+    }
+    return [
+        (f"the tiny hybrid target (hybrid.py: {hybrid.SPEC.name}, 6 GDN + 2 full layers), 4 prompts of 96-120 "
+         "tokens, 120 generated each, k = 3", tiny),
+        (f"the mini-cpu-hybrid miniature (trained, 6 GDN + 2 full layers, its serve arguments), 8 of its prompts, "
+         f"{mini['max_tokens']} generated each, k = {mini['k']}", mini),
+    ]  # fmt: skip
+
+
+def part_runner(repeat: int) -> None:
+    for what, job in _runner_jobs():
+        job = {**job, "repeat": repeat}
+        rows = [
+            ("this build", _side("dflash", "runner", job)),
+            ("this build, full-kv", _side("dflash", "runner", job, {"VLLM_DFLASH_FULL_DRAFTER_KV": "1"})),
+            ("stock 0.20.1", _side("stock", "runner", job)),
+        ]
+        print(f"\nPer engine step on {what}; its 4 sliding + 1 full drafter, fp32; median over {repeat} rounds:")
         print(
-            f"  {name:<20} {r['groups']:>6} {r['steps']:>6} {r['scheduler_s'] * 1e3:>8.3f} ms "
-            f"{r['runner_s'] * 1e3:>8.3f} ms {r['step_s'] * 1e3:>8.3f} ms {r['bookkeeping_s'] * 1e3:>11.3f} ms"
+            f"  {'build':<20} {'groups':>6} {'steps':>6} {'scheduler':>11} {'runner':>11} {'step':>11} "
+            f"{'groups work':>14}"
         )
-    print(
-        "  (groups work: the runner's block tables, slot mappings and attention metadata, the proposer's inputs and "
-        "metadata, mean per step; the rest of the runner is the models)"
-    )
-    a, b = rows[0][1], rows[2][1]
-    print(
-        f"  this build / stock: scheduler {_ratio(a['scheduler_s'], b['scheduler_s'])}, runner "
-        f"{_ratio(a['runner_s'], b['runner_s'])}, scheduler + runner {_ratio(a['step_s'], b['step_s'])}, "
-        f"group bookkeeping {_ratio(a['bookkeeping_s'], b['bookkeeping_s'])}"
-    )
+        for name, r in rows:
+            print(
+                f"  {name:<20} {r['groups']:>6} {r['steps']:>6} {r['scheduler_s'] * 1e3:>8.3f} ms "
+                f"{r['runner_s'] * 1e3:>8.3f} ms {r['step_s'] * 1e3:>8.3f} ms {r['bookkeeping_s'] * 1e3:>11.3f} ms"
+            )
+        print(
+            "  (groups work: the runner's block tables, slot mappings and attention metadata, the proposer's inputs "
+            "and metadata, mean per step; the rest of the runner is the models)"
+        )
+        a, b = rows[0][1], rows[2][1]
+        print(
+            f"  this build / stock: scheduler {_ratio(a['scheduler_s'], b['scheduler_s'])}, runner "
+            f"{_ratio(a['runner_s'], b['runner_s'])}, scheduler + runner {_ratio(a['step_s'], b['step_s'])}, "
+            f"group bookkeeping {_ratio(a['bookkeeping_s'], b['bookkeeping_s'])}"
+        )
 
 
 def main() -> int:
