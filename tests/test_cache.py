@@ -264,3 +264,26 @@ def test_a_removal_cut_short_leaves_only_a_marked_leftover(
     assert not victim.exists()  # its name is free: no half-removed miniature is ever found under it
     leftover = [p for p in (root / "mini").iterdir() if p.name.startswith(".vllm-dflash.")]
     assert len(leftover) == 1 and leftover[0].name.endswith(".333333333333.tmp")
+
+
+def test_what_the_test_suite_keeps_in_the_cache_is_named(tmp_path: Path, manifest: Manifest) -> None:
+    """Every top-level name the test suite writes into the cache (`cache_dir()` joined with a quoted name in
+    tests/, found by reading them) is one the survey names: none is "unknown", so `vllm-dflash cache` accounts for
+    the whole tier's cache (the CPU twin's podman store and the proofs' records were unknown before)."""
+    import re
+
+    written = {
+        m.split("/")[0]
+        for src in (manifest.root / "tests").glob("*.py")
+        for m in re.findall(r'cache_dir\(\) / "([^"]+)"', src.read_text())
+    }
+    assert {"containers", "cpu-twin-proof.json", "images"} <= written  # the reading finds what it must
+    root = tmp_path / "cache"
+    root.mkdir()
+    (root / CACHEDIR_TAG).write_text("Signature: 8a477f597d28d172789f06886806bc55\n")
+    for name in written:
+        (root / name).mkdir() if "." not in name else (root / name).write_text("{}")
+    got = {e.rel: e for e in cache.survey(manifest, root)}
+    # (a directory of the cache's own layout, such as envs/, is no entry: its children are)
+    assert [n for n in written if n in got and got[n].verdict == cache.UNKNOWN] == []
+    assert got["containers"].verdict == cache.NOT_JUDGED

@@ -269,6 +269,10 @@ _UNJUDGED = {
     "images": ("other", "the test suite's base image"),
     "tools": ("other", "the test suite's tools"),
     "mypy": ("other", "the test suite's mypy cache (tests/test_lint.py; mypy checks each entry against its file)"),
+    "containers": ("other", "the test suite's podman store (the CPU twin image, tests/cpu_twin.py)"),
+    "cpu-twin-proof.json": ("other", "the test suite's record of the CPU twin's last proof (tests/test_cpu_image.py)"),
+    "image-proof.json": ("other", "the test suite's record of the image's last proof (tests/test_image.py)"),
+    "image-all-proof.json": ("other", "the test suite's timing of the all-platform image build (tests/test_image.py)"),
 }
 _LOCK_FILE = re.compile(r"^\..+\.lock$|^\.lock$")
 
