@@ -136,18 +136,23 @@ def prepare(
     if profile.compare_stock and sha256_file(candidate) != sha256_file(stock):  # stock itself needs no twin
         comparisons["stock"] = _serve_from(envs.vllm_cpu_env(stock, stock_cpu), stock, log_dir, health_timeout)
 
-    resolved = replace(
+    resolved = _on_models(profile, models)
+
+    def reference() -> Reference:
+        return _reference(ref_python, models, len(base), profile.max_tokens, profile.rounds)
+
+    return MiniatureRun(resolved, prompts, choice, comparisons, reference, candidate, stock, conditions, prompt_set)
+
+
+def _on_models(profile: Profile, models: Path) -> Profile:
+    """The profile as the miniature's models serve it: their target, drafter and held-apart prompts."""
+    return replace(
         profile,
         target=str(models / "target"),
         drafter=str(models / "drafter"),
         served_model_name=profile.served_model_name or "mini",
         prompts=str(models / "prompts.jsonl"),
     )
-
-    def reference() -> Reference:
-        return _reference(ref_python, models, len(base), profile.max_tokens, profile.rounds)
-
-    return MiniatureRun(resolved, prompts, choice, comparisons, reference, candidate, stock, conditions, prompt_set)
 
 
 @dataclass(frozen=True)
@@ -185,13 +190,7 @@ def prepare_endpoint(
         own = own[: profile.num_prompts]
     base = own[:num_prompts] if num_prompts else own
     prompts = repeated(base, profile.rounds)
-    resolved = replace(
-        profile,
-        target=str(models / "target"),
-        drafter=str(models / "drafter"),
-        served_model_name=profile.served_model_name or "mini",
-        prompts=str(models / "prompts.jsonl"),
-    )
+    resolved = _on_models(profile, models)
     choice = ServerChoice(endpoint=endpoint, wheel=wheel, replicas=replicas, health_timeout_s=health_timeout)
 
     def reference() -> Reference:
