@@ -14,7 +14,7 @@ from vllm_dflash.manifest import Profile, load_profile_file
 from vllm_dflash.oci import check_image_ref
 from vllm_dflash.paths import check_output_file
 from vllm_dflash.validate.server import check_url
-from vllm_dflash.validate.smoke import ServerChoice, load_prompts, validate
+from vllm_dflash.validate.smoke import ServerChoice, ValidationResult, load_prompts, validate
 
 MAX_PROMPTS = 100_000  # more than any prompt set holds: a larger count is a typo
 MAX_HEALTH_TIMEOUT_S = 7 * 86400.0
@@ -128,15 +128,22 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.endpoint and args.baseline and not args.baseline_endpoint:
         print("warning: --baseline with --endpoint needs --baseline-endpoint URL; no baseline run", file=sys.stderr)
+    result = _validate(
+        profile, choice, report_path, prompts, args.baseline, show=not args.quiet, prompt_set=args.prompts
+    )
+    print(f"verdict: {_verdict(result.report)}; report: {result.report_path}", flush=True)
+    return result.exit_code
+
+
+def _validate(
+    profile: Profile, choice: ServerChoice, report_path: Path, prompts: Any, *args: Any, **kwargs: Any
+) -> ValidationResult:
+    """validate(), saying where the report went when it stops on a measurement error."""
     try:
-        result = validate(
-            profile, choice, report_path, prompts, args.baseline, show=not args.quiet, prompt_set=args.prompts
-        )
+        return validate(profile, choice, report_path, prompts, *args, **kwargs)
     except MeasurementError:
         print(f"report: {report_path} (verdict: error)", file=sys.stderr)
         raise
-    print(f"verdict: {_verdict(result.report)}; report: {result.report_path}", flush=True)
-    return result.exit_code
 
 
 def _replicas(args: argparse.Namespace) -> list[str]:
@@ -198,21 +205,17 @@ def _run_cpu_builds(args: argparse.Namespace, profile: Profile) -> int:
         return _run_served_miniature(args, profile, co, report_path)
     run = miniature.prepare(co.manifest, co.queues, profile, args.wheel, args.log_dir, args.health_timeout)
     print(f"validating {run.wheel.name} (stock build to compare: {run.stock_wheel.name})", flush=True)
-    try:
-        result = validate(
-            run.profile,
-            run.choice,
-            report_path,
-            run.prompts,
-            baseline=args.baseline,  # None: the profile's own choice (a no-speculation run of the validated build)
-            show=not args.quiet,
-            prompt_set=run.prompt_set,
-            comparisons=run.comparisons,
-            reference=run.reference,
-        )
-    except MeasurementError:
-        print(f"report: {report_path} (verdict: error)", file=sys.stderr)
-        raise
+    result = _validate(
+        run.profile,
+        run.choice,
+        report_path,
+        run.prompts,
+        baseline=args.baseline,  # None: the profile's own choice (a no-speculation run of the validated build)
+        show=not args.quiet,
+        prompt_set=run.prompt_set,
+        comparisons=run.comparisons,
+        reference=run.reference,
+    )
     print(miniature.closing_note(result.report, run.conditions), flush=True)
     for name, path in result.comparison_reports.items():
         wheel = run.stock_wheel if name == "stock" else None
@@ -234,21 +237,17 @@ def _run_served_miniature(args: argparse.Namespace, profile: Profile, co: Any, r
         co.manifest, profile, args.endpoint, args.wheel, tuple(args.metrics), args.num_prompts, args.health_timeout
     )
     print(f"validating the miniature served at {args.endpoint}", flush=True)
-    try:
-        result = validate(
-            run.profile,
-            run.choice,
-            report_path,
-            run.prompts,
-            baseline=False,
-            show=not args.quiet,
-            prompt_set="@mini",
-            reference=run.reference,
-            full_count=run.full_count,
-        )
-    except MeasurementError:
-        print(f"report: {report_path} (verdict: error)", file=sys.stderr)
-        raise
+    result = _validate(
+        run.profile,
+        run.choice,
+        report_path,
+        run.prompts,
+        baseline=False,
+        show=not args.quiet,
+        prompt_set="@mini",
+        reference=run.reference,
+        full_count=run.full_count,
+    )
     print(miniature.closing_note(result.report, run.conditions), flush=True)
     for row in result.report.get("replicas") or []:
         c = row["counters"]
