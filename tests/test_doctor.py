@@ -987,6 +987,40 @@ def test_the_whole_model_reserves_less_than_stock_with_the_profiles_serve_argume
     assert sliding == [4] and max(n for _, n, _ in mine["groups"]) < 17
 
 
+BUILDS = ("dflash", "stock")
+
+
+@pytest.mark.heavy
+def test_on_an_all_full_target_the_window_never_reserves_more_than_the_whole_context(manifest: Manifest) -> None:
+    """Qwen3.6-27B's 16 attention layers as an all-full-attention target with the z-lab drafter, each build's own
+    grouping in its environment (one process per build). Stock puts every layer in one group (no padding). With the
+    profile's 16,384 tokens and 32,768 batched, a sliding layer keeps as much as a full one and its own groups pay
+    for padding: the windowed layout reserved 1,611,005,952 bytes against stock's 1,409,286,144. This build keeps the
+    whole context there (stock's layout, no more reserved), and keeps the windows where they save (131,072 tokens,
+    2,048 batched: two groups, less than stock)."""
+    from vllm_dflash.doctor import kvcache, kvgroups
+    from vllm_dflash.series import read_queues
+
+    target = {"attention": kvcache.target_layers(Q36_TARGET)[0], "gdn": None}
+    drafter = [{"num_kv_heads": 8, "head_dim": 128, "window": w} for w in (2048,) * 4 + (None,)]
+    shapes = ((16384, 32768), (131072, 2048))
+    jobs = {
+        "jobs": [
+            {"dtype": "bfloat16", "num_speculative_tokens": 15, "context": c, "max_num_batched_tokens": b,
+             "kernel_block_alignment": 16, "target": target, "drafter": drafter}
+            for c, b in shapes
+        ]
+    }  # fmt: skip
+    queues = read_queues(manifest.series_path, manifest.cpu_series_path)
+    mine, stock = (dict(zip(shapes, kvgroups.side(manifest, queues, v, jobs), strict=True)) for v in BUILDS)
+    short, long = shapes
+    assert stock[short]["count"] == stock[long]["count"] == 1
+    assert mine[short]["bytes_per_request"] <= stock[short]["bytes_per_request"], (mine[short], stock[short])
+    assert mine[short]["count"] == 1  # every layer keeps the whole context, one group as stock
+    assert mine[long]["count"] == 2 and mine[long]["bytes_per_request"] < stock[long]["bytes_per_request"]
+    assert mine[long]["drafter_windows"] == [2048 + 15] * 4 + [None]
+
+
 @pytest.mark.parametrize("case", ["refs-not-utf8", "refs-huge", "fifo-weights"])
 def test_hostile_cache_files_are_one_line_exit_18(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str

@@ -723,6 +723,8 @@ CASES: tuple[CaseSpec, ...] = (
         tensor_parallel_size=2,
         kv_block_size=EVICT_KV_BLOCK,
         evict=True,
+        max_num_batched_tokens=EVICT_TOKEN_BUDGET,
+        max_model_len=EVICT_MAX_MODEL_LEN,
         # stock at TP 2 is tp2-mixed; the full-kv control runs on the single-rank eviction cases
         expect_stock="skip",
     ),
