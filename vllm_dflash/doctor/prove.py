@@ -36,8 +36,7 @@ from vllm_dflash.conformance.compare import (
 )
 from vllm_dflash.doctor import diagnose as D
 from vllm_dflash.doctor.checkpoint import Checkpoint
-from vllm_dflash.doctor.loading import OURS, STOCK, UPSTREAM
-from vllm_dflash.doctor.ours import OurCode
+from vllm_dflash.doctor.columns import OURS, STOCK, UPSTREAM, UPSTREAM_V1_LAST
 from vllm_dflash.errors import CheckpointError
 from vllm_dflash.manifest import Manifest
 from vllm_dflash.series import Queues
@@ -46,15 +45,22 @@ MAX_TARGET_LAYERS = 64  # the largest tiny target (the `real-shape` case's): tap
 WINDOW_PER_2048 = 24
 
 
+NOT_RUN = "not run"
+
+
 @dataclass(frozen=True)
 class Claim:
     what: str
     expected: Any
-    got: Any
+    got: Any  # NOT_RUN: nothing the twin did answers it (its build did not serve the twin, or recorded nothing)
+
+    @property
+    def ran(self) -> bool:
+        return self.got is not None and self.got != NOT_RUN
 
     @property
     def holds(self) -> bool:
-        return bool(self.expected == self.got)
+        return self.ran and bool(self.expected == self.got)
 
 
 @dataclass(frozen=True)
@@ -66,16 +72,21 @@ class ProveResult:
 
     @property
     def failed(self) -> list[Claim]:
-        return [c for c in self.claims if not c.holds]
+        return [c for c in self.claims if c.ran and not c.holds]
+
+    @property
+    def not_run(self) -> list[Claim]:
+        return [c for c in self.claims if not c.ran]
 
     @property
     def ok(self) -> bool:
-        return self.conformance.verdict == "pass" and not self.failed
+        return self.conformance.verdict == "pass" and not self.failed and not self.not_run
 
     @property
     def exit_code(self) -> int:
-        """1 when a claim or verdict is wrong; the conformance run's own code (19: a case cannot run here)."""
-        if self.failed:
+        """1 when a claim or verdict is wrong or a claim did not run; the conformance run's own code (19: a case
+        cannot run here)."""
+        if self.failed or (self.not_run and not self.conformance.exit_code):
             return FAILED_EXIT
         return self.conformance.exit_code or (0 if self.ok else FAILED_EXIT)
 
@@ -114,7 +125,7 @@ def twin_spec(ck: Checkpoint, d: D.Diagnosis) -> tuple[C.CaseSpec, list[str]]:
     ours = [r for r in d.rows if r.build == OURS]
     n = d.num_layers or len(ours)
     kept: list[str] = [f"{n} drafter layers"]
-    kinds = _declared_kinds(ck) or [C.FULL] * n
+    kinds = d.layer_types or [C.FULL] * n
     spelling, first = _layer_spelling(raw, kinds)
     where = f"sliding from layer {first}" if spelling == "filled" else "all full"
     kept.append(
@@ -182,14 +193,6 @@ def twin_spec(ck: Checkpoint, d: D.Diagnosis) -> tuple[C.CaseSpec, list[str]]:
     if spec.reference_attention != spec.attention:
         negatives.append(C.NEG_REFERENCE_LITERAL)
     return replace(spec, negatives=tuple(dict.fromkeys(negatives))), kept
-
-
-def _declared_kinds(ck: Checkpoint) -> list[str]:
-    """The layer kinds as this build's loader has them (transformers' filling included), before use_swa."""
-    from vllm_dflash.doctor import rules
-
-    got = rules.read(STOCK, ck.config).loaded.get("layer_types")
-    return [str(k) for k in got] if isinstance(got, list) else []
 
 
 # ---- the claims -------------------------------------------------------------------------------------------------
@@ -308,7 +311,7 @@ def _shape(d: D.Diagnosis, twin: D.Diagnosis | None) -> list[Claim]:
         rows = [
             (r.build, r.layer, r.kind, r.kind_from, r.window is not None, r.window_from, r.causal, r.causal_from)
             for r in x.rows
-            if r.build in (STOCK, OURS, UPSTREAM)
+            if r.build in (STOCK, OURS, UPSTREAM_V1_LAST, UPSTREAM)
         ]
         return rows, x.stock_wrong.get("taps"), x.verdict_class
 
@@ -328,7 +331,7 @@ def _first_difference(expected: Any, got: Any) -> str:
 
 
 def prove(
-    manifest: Manifest, queues: Queues, ck: Checkpoint, d: D.Diagnosis, code: OurCode, spec: C.CaseSpec | None = None
+    manifest: Manifest, queues: Queues, ck: Checkpoint, d: D.Diagnosis, doc: Any, spec: C.CaseSpec | None = None
 ) -> ProveResult:
     """Run the twin (`spec` overrides it: a negative control builds a deliberately wrong twin) and check the claims."""
     twin_of_user, kept = twin_spec(ck, d)
@@ -342,25 +345,29 @@ def prove(
     twin = None
     if twin_config.is_file():
         raw = json.loads(twin_config.read_text())
-        twin = D.diagnose(
+        twin = doc.diagnose(
             Checkpoint(str(twin_config), raw, speculators="speculators_model_type" in raw),
-            code,
             spec.target_layers,
             "the twin's target",
         )
     return ProveResult(spec, kept, result, claims(d, spec, summaries, twin))
 
 
-def render_prove(result: ProveResult) -> None:
+def render_prove(result: ProveResult, exit_code: int | None = None) -> None:
+    """Each claim as predicted, NOT as predicted, or not run; the summary carries `exit_code`, the process's own."""
     render(result.conformance)
     for c in result.claims:
-        if c.holds:
+        if not c.ran:
+            print(f"--prove: NOT RUN: {c.what} (the twin gave nothing to check it against)")
+        elif c.holds:
             print(f"--prove: as predicted: {c.what}")
         else:
             where = _first_difference(c.expected, c.got)
             print(f"--prove: NOT as predicted: {c.what} (the doctor's claim / the twin's, where they differ: {where})")
     verdict = result.conformance.verdict
+    held = len(result.claims) - len(result.failed) - len(result.not_run)
+    code = result.exit_code if exit_code is None else exit_code
     print(
-        f"--prove: {len(result.claims) - len(result.failed)}/{len(result.claims)} claims as predicted; conformance "
-        f"{verdict}; " + ("as predicted" if result.ok else "NOT as predicted") + f" (exit {result.exit_code})"
+        f"--prove: {held}/{len(result.claims)} claims as predicted, {len(result.not_run)} not run; conformance "
+        f"{verdict}; " + ("as predicted" if result.ok else "NOT as predicted") + f" (exit {code})"
     )
