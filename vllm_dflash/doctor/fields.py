@@ -292,10 +292,12 @@ def ablations(raw: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 @dataclass(frozen=True)
 class Measured:
     """What each build's own code did differently with the field than without it: "reads it: <what changed>",
-    "refuses it: <line>", "ignores it" (nothing built changed), or "not computed: <why>"."""
+    "refuses it: <line>", "ignores it" (nothing built changed), or "not computed: <why>"; and, per build, how the
+    drafter's projections were built with it (the quantization each linear layer got)."""
 
     path: str
     effects: Mapping[str, str]
+    linears: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def reads(self, build: str) -> bool:
         return self.effects.get(build, "").startswith(("reads it", "refuses it"))
@@ -332,11 +334,41 @@ def _diff(a: Any, b: Any, where: str = "") -> list[str]:
     return [] if a == b else [f"{where}: {json.dumps(a)} (without it: {json.dumps(b)})"]
 
 
+# What a CPU machine cannot build, whatever the config says: a quantized layer's GPU kernel, the V2 speculator of a
+# release whose imports need triton-cpu. The drafter's verdict then names it "not built here", never "refuses".
+NOT_BUILT_HERE = ("Failed to find a kernel", "not built here")
+
+
+def _primary(answer: Mapping[str, Any]) -> Mapping[str, Any]:
+    runs = answer.get("runners")
+    if not isinstance(runs, Mapping):
+        return answer
+    got: Any = runs.get("v2") or runs.get("default") or next(iter(runs.values()), {})
+    return got if isinstance(got, Mapping) else {}
+
+
+def _linears(answer: Mapping[str, Any] | None) -> dict[str, str]:
+    """How the built drafter's projections were quantized: qkv_proj of layer 0, the fc, the lm_head."""
+    if not answer:
+        return {}
+    rec = _primary(answer)
+    layers = rec.get("layers") or [{}]
+    model = rec.get("model") or {}
+    out = {}
+    for name, lin in (("qkv_proj", layers[0].get("qkv")), ("fc", model.get("fc")), ("lm_head", model.get("lm_head"))):
+        if isinstance(lin, Mapping):
+            out[name] = str(lin.get("quant_method"))
+    return out
+
+
 def _effect(with_: Mapping[str, Any] | None, without: Mapping[str, Any] | None) -> str:
     if not with_ or not without:
         return "not computed: no answer"
     a, b = _fingerprint(with_), _fingerprint(without)
     changes = _diff(a, b)
+    here = [c for c in changes if any(m in c.split(" (without it", 1)[0] for m in NOT_BUILT_HERE)]
+    if here:
+        return "not computed: not built here: " + here[0]
     if not changes:
         return "ignores it"
     refused = [c for c in changes if ("_error" in c.split(":")[0]) and not c.split(": ", 1)[1].startswith("null")]
@@ -352,7 +384,11 @@ def measure(
     """`answers`: each build's answer to the config; `variants`: path -> each build's answer to the config without
     that field. Per field, what each build's code did with it."""
     return {
-        path: Measured(path, {b: _effect(answers.get(b), without.get(b)) for b in answers})
+        path: Measured(
+            path,
+            {b: _effect(answers.get(b), without.get(b)) for b in answers},
+            {b: _linears(answers.get(b)) for b in answers},
+        )
         for path, without in variants.items()
     }
 
@@ -398,29 +434,32 @@ def classify(
             here, value = _get(raw["transformer_layer_config"], path)
         ours = m.effects.get("this build", "")
         others = {b: e for b, e in m.effects.items() if b.startswith("upstream") and m.reads(b)}
-        if ours.startswith("not computed") or not ours:
+        quant = _quantized(path, m) if path == "quantization_config" else ""
+        if quant:
+            out.blocking.append(Hit(path, _short(value), Feature(entry.what, f"{entry.reader}; {quant}", _present)))
+        elif ours.startswith("not computed") or not ours:
             out.unknown.append(f"{path} = {_short(value)} (not measured: {ours or 'no answer'})")
         elif m.reads("this build"):
-            qkv = _quantized_raw_weight(path, ours)
-            if qkv:
-                out.blocking.append(Hit(path, _short(value), Feature(entry.what, f"{entry.reader}; {qkv}", _present)))
-            else:
-                out.harmless.append(f"{path} = {_short(value)} (read by this build, measured: {ours})")
+            out.harmless.append(f"{path} = {_short(value)} (read by this build, measured: {ours})")
         elif others:
             said = "; ".join(f"{b} {e}" for b, e in others.items())
             out.blocking.append(
                 Hit(path, _short(value), Feature(entry.what, f"{entry.reader} (measured: {said})", _present))
             )
+        elif entry.at_load_only:
+            out.harmless.append(
+                f"{path} = {_short(value)} (no drafter built here changes with it; {entry.at_load_only}: "
+                f"{entry.reader}, a rule, not measured)"
+            )
         else:
-            rule = f"; {entry.at_load_only} (a rule, not measured)" if entry.at_load_only else ""
-            out.unknown.append(f"{path} = {_short(value)} (no build's drafter changes with it, measured{rule})")
+            out.unknown.append(f"{path} = {_short(value)} (no build's drafter changes with it, measured)")
     layers = [raw]
     inner = raw.get("transformer_layer_config")
     if "speculators_model_type" in raw and isinstance(inner, Mapping):
         layers.append(inner)
     for cfg in layers:
         for key in cfg:
-            if key in done or (key == "dflash_config" and False):
+            if key in done:
                 continue
             if key in FEATURES_TOP:
                 _feature(out, key, cfg[key], FEATURES_TOP[key])
@@ -463,12 +502,27 @@ SRC_RAW_WEIGHT = (
 )
 
 
-def _quantized_raw_weight(path: str, effect: str) -> str:
-    """For quantization_config read by this build: its qkv_proj is quantized, which 0.20.1's raw-weight path
-    mis-computes."""
-    if path != "quantization_config" or "qkv.quant_method" not in effect:
+def _quantized(path: str, m: Measured) -> str:
+    """A quantized drafter on this build: the projections as built here (measured) against vLLM 0.34.0's, and the
+    raw-weight path of 0.20.1's drafter (a rule). "" when the config quantizes nothing this build builds."""
+    ours = m.linears.get("this build") or {}
+    newest = m.linears.get("upstream 0.34.0") or {}
+    effect = m.effects.get("this build", "")
+    if effect.startswith("not computed"):
+        return f"its quantized layers are not built here ({effect}); {SRC_RAW_WEIGHT}"
+    if not m.reads("this build") and not any(m.reads(b) for b in m.effects if b.startswith("upstream")):
         return ""
-    return f"this build's drafter is built with a quantized qkv_proj ({effect}), which {SRC_RAW_WEIGHT}"
+    plain = "UnquantizedLinearMethod"
+    built = ", ".join(f"{k} {v}" for k, v in ours.items())
+    if ours.get("qkv_proj", plain) != plain:
+        return f"this build quantizes qkv_proj ({built}; measured), which {SRC_RAW_WEIGHT}"
+    if newest.get("qkv_proj", plain) != plain:
+        return (
+            f"this build builds qkv_proj unquantized where vLLM 0.34.0 quantizes it ({built}; 0.34.0: "
+            f"{', '.join(f'{k} {v}' for k, v in newest.items())}; measured): the checkpoint's quantized qkv weights "
+            "do not fit it"
+        )
+    return f"this build's drafter: {built} (measured); {SRC_RAW_WEIGHT}"
 
 
 def _feature(out: Fields, name: str, value: Any, feature: Feature) -> None:

@@ -60,7 +60,8 @@ class Column:
         """What decides this column's answers besides the request: its side code and its environment."""
         from vllm_dflash.doctor import reference_side, vllm_side
 
-        code = Path(str((vllm_side if self.module == VLLM_SIDE else reference_side).__file__)).read_bytes()
+        # both sides: the reference side serves through vllm_side's serve_lines
+        code = b"".join(Path(str(m.__file__)).read_bytes() for m in (vllm_side, reference_side))
         env = {k: v for k, v in self.environ.items() if k == "PYTHONPATH" or k.startswith(("VLLM_", "TRANSFORMERS_"))}
         blob = json.dumps([self.build, hashlib.sha256(code).hexdigest(), str(self.python), env, self.runners])
         return hashlib.sha256(blob.encode()).hexdigest()
@@ -295,7 +296,7 @@ class _Server:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(SIDE_TIMEOUT_S)
             s.connect(str(self.path))
-            with s.makefile("rw", buffering=1) as f:
+            with s.makefile("r") as f:
                 line = f.readline()
                 if not line:
                     raise SideError(f"the {self.column.build} column's side closed", "run the doctor again")

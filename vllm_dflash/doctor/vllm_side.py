@@ -48,8 +48,8 @@ def _err(exc: BaseException) -> str:
         if ln.startswith("Value error, "):
             return f"{type(exc).__name__}: {ln.removeprefix('Value error, ').split(' [type=')[0]}"[:400]
     first = lines[0] if lines else ""
-    if first.endswith(":") and len(lines) > 1:  # transformers' validators: the reason is on the next line
-        first = f"{first} {lines[1]}"
+    if first.endswith(":") and len(lines) > 1:  # transformers' validators, vLLM's kernel choice: reasons below
+        first = f"{first} {'; '.join(lines[1:3])}"
     return f"{type(exc).__name__}: {first}"[:400]
 
 
@@ -591,10 +591,11 @@ def _serve_socket(answer: Any, ready: Any, path: str, idle: float) -> int:
                 break
             conn.settimeout(None)
             try:
-                with conn, conn.makefile("rw", buffering=1) as f:
-                    f.write(json.dumps({"ready": ready}) + "\n")
-                    f.flush()
-                    _answer_lines(answer, f, f)
+                # one file to read, one to write: a text file that does both cannot write after reading ahead
+                with conn, conn.makefile("r") as rf, conn.makefile("w", buffering=1) as wf:
+                    wf.write(json.dumps({"ready": ready}) + "\n")
+                    wf.flush()
+                    _answer_lines(answer, rf, wf)
             except OSError:  # a client that went away (or only checked that we are here): the next one
                 continue
     finally:
