@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,6 +46,8 @@ HEAVY_FIXTURES = frozenset(
         "base_wheel",
         "built",
         "tree_0220",
+        "doctor",
+        "doctor_servers",
     }
 )
 
@@ -179,6 +182,34 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def manifest() -> Manifest:
     return load_manifest(REPO)
+
+
+@pytest.fixture(scope="session")
+def doctor(manifest: Manifest) -> Iterator[Any]:
+    """The doctor reading through every column's own code: one process per column for the whole session (their
+    imports are most of a column's cost), answers cached by digest like the CLI's."""
+    from vllm_dflash.doctor.reader import Doctor
+    from vllm_dflash.doctor.sides import Sides, columns
+    from vllm_dflash.series import read_queues
+
+    queues = read_queues(manifest.series_path, manifest.cpu_series_path)
+    with Sides(columns(manifest, queues)) as sides:
+        yield Doctor(sides)
+
+
+@pytest.fixture(scope="session")
+def doctor_servers(manifest: Manifest) -> Iterator[None]:
+    """The CLI's column servers started (and answering) before tests that time or fuzz `vllm-dflash doctor`: what
+    a warm doctor run is."""
+    from vllm_dflash.doctor.reader import Doctor
+    from vllm_dflash.doctor.sides import Sides, columns, server_idle
+    from vllm_dflash.series import read_queues
+
+    queues = read_queues(manifest.series_path, manifest.cpu_series_path)
+    q36 = json.loads((REPO / "vllm_dflash/doctor/checkpoints/z-lab--Qwen3.6-27B-DFlash.json").read_text())["config"]
+    with Sides(columns(manifest, queues), cache=False, idle=max(server_idle(), 600.0)) as sides:
+        Doctor(sides).read([q36])
+    yield
 
 
 # ---------------------------------------------------------------------------------------------------------------

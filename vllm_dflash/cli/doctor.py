@@ -91,7 +91,6 @@ def _doctor(args: argparse.Namespace) -> Any:
 
     co = checkout(args)
     started = time.monotonic()
-    print("doctor: each column runs its build's own code in its own environment", file=sys.stderr, flush=True)
     cols = columns(co.manifest, co.queues)
     took = time.monotonic() - started
     if took > 5:
@@ -106,34 +105,40 @@ def _target(args: argparse.Namespace) -> tuple[Any, dict[str, Any] | None]:
     return read_target(args.target), read_json(path, "target")
 
 
-def diagnosis(args: argparse.Namespace, doc: Any, serve: dict[str, Any] | None) -> tuple[Checkpoint, D.Diagnosis]:
-    """The checkpoint PATH names and its diagnosis (against --target when given). A shipped table entry is read as
-    the table reads it: its verdict only when every completion of what no public source gives agrees."""
-    target, target_raw = _target(args)
-    layers, source, archs = (target.layers, target.source, target.architectures) if target else (None, "", ())
+def checkpoints(args: argparse.Namespace) -> tuple[list[Checkpoint], table.Entry | None]:
+    """What PATH names, read before any column runs (so an unreadable checkpoint costs no environment): the
+    checkpoint, or every completion of a shipped table entry."""
     if args.path.is_file() and table.is_entry(read_json(args.path, "drafter")):
         entry = table.load_entry(args.path)
-        cks = [ck for _, ck in table.completions(entry)]
-        reads = doc.read([ck.config for ck in cks], target_raw, serve)
-        pairs = [
-            (ck, D.diagnose(ck, r.readings, layers or entry.target_layers, source, archs, r.measured))
-            for ck, r in zip(cks, reads, strict=True)
-        ]
-        classes = sorted({d.verdict_class for _, d in pairs})
-        if len(classes) > 1:
-            fields = table.depends_on(entry, doc, lambda d: d.verdict_class, [d for _, d in pairs])
-            raise CheckpointError(
-                f"{args.path}: the verdict depends on {', '.join(fields)}, which no public source gives "
-                f"({' / '.join(classes)})",
-                "pass the checkpoint's own config.json",
-            )
-        print(f"table entry {entry.name}: {len(pairs)} completion(s) of what no public source gives, one verdict")
-        args._readings = reads[0].readings
-        return pairs[0]
-    ck = read_checkpoint(args.path)
-    got = doc.read([ck.config], target_raw, serve)[0]
-    args._readings = got.readings
-    return ck, D.diagnose(ck, got.readings, layers, source, archs, got.measured)
+        return [ck for _, ck in table.completions(entry)], entry
+    return [read_checkpoint(args.path)], None
+
+
+def diagnosis(
+    args: argparse.Namespace, doc: Any, serve: dict[str, Any] | None, cks: list[Checkpoint], entry: table.Entry | None
+) -> tuple[Checkpoint, D.Diagnosis, Any]:
+    """The checkpoint's diagnosis (against --target when given), and its columns' readings. A shipped table entry is
+    read as the table reads it: its verdict only when every completion of what no public source gives agrees."""
+    target, target_raw = _target(args)
+    layers, source, archs = (target.layers, target.source, target.architectures) if target else (None, "", ())
+    reads = doc.read([ck.config for ck in cks], target_raw, serve)
+    if entry is None:
+        ck, got = cks[0], reads[0]
+        return ck, D.diagnose(ck, got.readings, layers, source, archs, got.measured), got.readings
+    pairs = [
+        (ck, D.diagnose(ck, r.readings, layers or entry.target_layers, source, archs, r.measured))
+        for ck, r in zip(cks, reads, strict=True)
+    ]
+    classes = sorted({d.verdict_class for _, d in pairs})
+    if len(classes) > 1:
+        fields = table.depends_on(entry, doc, lambda d: d.verdict_class, [d for _, d in pairs])
+        raise CheckpointError(
+            f"{args.path}: the verdict depends on {', '.join(fields)}, which no public source gives "
+            f"({' / '.join(classes)})",
+            "pass the checkpoint's own config.json",
+        )
+    print(f"table entry {entry.name}: {len(pairs)} completion(s) of what no public source gives, one verdict")
+    return pairs[0][0], pairs[0][1], reads[0].readings
 
 
 def serve_arguments(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -162,13 +167,13 @@ def serve_arguments(args: argparse.Namespace) -> dict[str, Any] | None:
     return serve
 
 
-def _kv_cache(args: argparse.Namespace, ck: Any, d: D.Diagnosis, serve: dict[str, Any]) -> Any:
+def _kv_cache(args: argparse.Namespace, ck: Any, d: D.Diagnosis, serve: dict[str, Any], readings: Any) -> Any:
     from vllm_dflash.doctor import kvcache
 
     _, target = _target(args)
     co = checkout(args)
     figures = kvcache.per_sequence(
-        co.manifest, co.queues, ck, d, int(serve["max_model_len"]), target, serve, readings=args._readings
+        co.manifest, co.queues, ck, d, int(serve["max_model_len"]), target, serve, readings=readings
     )
     print()
     print(kvcache.render_text(figures))
@@ -178,21 +183,21 @@ def _kv_cache(args: argparse.Namespace, ck: Any, d: D.Diagnosis, serve: dict[str
 def run(args: argparse.Namespace) -> int:
     if not args.table and args.path is None:
         raise CheckpointError("no checkpoint given", "pass the drafter's config.json or directory (or --table)")
-    if args.path is not None:
-        resolve_dir(args.path)  # a path that does not exist is one line before any environment is built
+    cks, entry = checkpoints(args) if not args.table else ([], None)
+    _target(args)  # an unreadable target is one line before any environment is built too
     serve = serve_arguments(args)
-    if serve is not None and args.path is not None:
+    if serve is not None and cks:
         from vllm_dflash.doctor import kvcache
 
-        serve.setdefault("dtype", kvcache.dtype_of(read_checkpoint(args.path).config))
+        serve.setdefault("dtype", kvcache.dtype_of(cks[0].config))
     doc = _doctor(args)
     try:
         if args.table:
             print(table.render_table(doc))
             return 0
-        ck, d = diagnosis(args, doc, serve)
+        ck, d, readings = diagnosis(args, doc, serve, cks, entry)
         print(D.render_text(d))
-        kv = _kv_cache(args, ck, d, serve).to_dict() if serve is not None else None
+        kv = _kv_cache(args, ck, d, serve, readings).to_dict() if serve is not None else None
         extra: dict[str, Any] = {} if kv is None else {"kv_cache": kv}
         if d.mismatch:
             _write_json(args, d, **extra)

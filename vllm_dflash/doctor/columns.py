@@ -30,6 +30,9 @@ UPSTREAM = upstream_build("0.34.0")  # the newest release (V2 only)
 BUILDS = (STOCK, OURS, UPSTREAM_V1_LAST, UPSTREAM, REFERENCE)
 VLLM_BUILDS = (STOCK, OURS, UPSTREAM_V1_LAST, UPSTREAM)
 
+# What a CPU machine cannot build whatever the config says (a quantized layer's GPU kernel; a V2 speculator whose
+# imports need triton-cpu): said as "not built here", never as the build refusing the drafter.
+NOT_BUILT_HERE = ("Failed to find a kernel", "not built here")
 SRC_LOAD = "vllm serve's config loading (EngineArgs.create_engine_config: get_config, ModelConfig, SpeculativeConfig)"
 SRC_BUILD = "the drafter built on the meta device (the loader's initialize_model)"
 SRC_REFERENCE = "dflash 0.1.0 (config_class.from_pretrained, the model built on the meta device)"
@@ -57,7 +60,9 @@ class Refusal:
 
     line: str
     source: str
-    stage: str = "load"  # "load" (config loading) | "class" (no model for the architecture) | "model" (building it)
+    # "load" (config loading) | "class" (no model for the architecture) | "model" (building it) | "here" (this CPU
+    # machine cannot build a layer, e.g. an NVFP4 kernel: no statement about the build) | "unavailable"
+    stage: str = "load"
 
 
 @dataclass(frozen=True)
@@ -161,7 +166,16 @@ def from_vllm(build: str, answer: Mapping[str, Any], how: str = "") -> Reading:
         "model": str(rec.get("model_class") or ""),
         "recorded": rec.get("recorded"),
         "target": {
-            k: rec[k] for k in ("target_class", "target_supports_eagle3", "target_error", "target_stand_in") if k in rec
+            k: rec[k]
+            for k in (
+                "target_class",
+                "target_supports_eagle3",
+                "target_error",
+                "target_stand_in",
+                "target_load_error",
+                "target_registry",
+            )
+            if k in rec
         },
     }
     if rec.get("load_error"):
@@ -169,7 +183,13 @@ def from_vllm(build: str, answer: Mapping[str, Any], how: str = "") -> Reading:
         stage = "class" if _unregistered(line) else "load"
         return Reading(build, None, Refusal(line, f"vLLM {version}: {SRC_LOAD}", stage), None, **common)
     if rec.get("model_error"):
-        refusal = Refusal(str(rec["model_error"]), f"vLLM {version}: {SRC_BUILD}", "model")
+        line = str(rec["model_error"])
+        here = any(m in line for m in NOT_BUILT_HERE)
+        refusal = Refusal(
+            f"not built on this CPU machine: {line}" if here else line,
+            f"vLLM {version}: {SRC_BUILD}",
+            "here" if here else "model",
+        )
         return Reading(build, None, refusal, taps, **common)
     return Reading(
         build,

@@ -223,13 +223,15 @@ def _outputs(aux: list[Any] | None) -> list[Any] | None:
 SRC_MASK = "vllm 0.20.1 vllm/v1/spec_decode/llm_base_proposer.py _init_parallel_drafting_params"
 
 
-def _mask_token(ours: col.Reading) -> list[str]:
+def _mask_token(ours: col.Reading, raw: Mapping[str, Any]) -> list[str]:
     """The proposer fills every masked slot with dflash_config.mask_token_id as it is, and the drafter embeds it: a
-    string or an id outside the drafter's vocabulary is no token it can embed (a rule read from the code, not run)."""
+    string or an id outside the vocabulary config.json gives is no token it can embed (a rule read from the code, not
+    run; a vocabulary config.json does not give is the target's, not checked)."""
     dflash = ours.loaded.get("dflash_config") if ours.loaded.attrs else None
     if not isinstance(dflash, Mapping) or "mask_token_id" not in dflash:
         return []
-    mask, vocab = dflash["mask_token_id"], ours.loaded.get("vocab_size")
+    layer = raw.get("transformer_layer_config") if "speculators_model_type" in raw else raw
+    mask, vocab = dflash["mask_token_id"], (layer.get("vocab_size") if isinstance(layer, Mapping) else None)
     if _is_int(mask) and (not _is_int(vocab) or 0 <= mask < vocab):
         return []
     return [
@@ -291,6 +293,9 @@ def _taps(
             "each once, each 0 or more"
         )
     hidden = ours.target_hidden
+    if ours.target.get("target_stand_in"):  # no --target: the target is as wide as the drafter says it is, as loaded
+        width = ours.loaded.get("target_hidden_size") or ours.loaded.get("hidden_size")
+        hidden = width if isinstance(width, int) and not isinstance(width, bool) else hidden
     fed = len(got) * hidden if got is not None and hidden else None
     if ours.fc_in is not None and fed is not None and ours.fc_in != fed and not any("outside" in p for p in problems):
         default = "the target model's default aux layers"
@@ -397,13 +402,25 @@ def diagnose(
     unknown = [u for u in table.unknown if not ck.unknown or u.split(" = ", 1)[0] not in ck.unknown]
     blocking = list(dict.fromkeys(f"{h.feature.what} ({h.name}): {h.feature.reader}" for h in table.blocking))
     target = ours.target
-    if target_architectures and target.get("target_supports_eagle3") is False and not target.get("target_stand_in"):
-        blocking.append(
-            f"target {'/'.join(target_architectures)} records no auxiliary hidden states in vLLM 0.20.1: its model "
-            f"{target.get('target_class')} does not implement SupportsEagle3 (built here) -- a vLLM release whose "
-            "model implements it (not checked)"
+    registry = target.get("target_registry") or {}
+    built = target.get("target_supports_eagle3") is False and not target.get("target_stand_in")
+    listed = bool(registry) and not any(registry.values())  # every architecture it names: no model, or no Eagle3
+    if target_architectures and (built or listed):
+        how = (
+            f"its model {target.get('target_class')} does not implement SupportsEagle3 (built here)"
+            if built
+            else f"vLLM 0.20.1's registry: {', '.join(f'{a} {_eagle3_words(v)}' for a, v in registry.items())}"
         )
-    blocking += _mask_token(ours)
+        blocking.append(
+            f"target {'/'.join(target_architectures)} records no auxiliary hidden states in vLLM 0.20.1: {how} -- a "
+            "vLLM release whose model implements it (not checked)"
+        )
+    blocking += _mask_token(ours, raw)
+    if target.get("target_load_error"):
+        taps.problems.append(
+            f"note: vLLM cannot load the --target config ({target['target_load_error']}): the drafter was read beside "
+            "a stand-in target of its own sizes"
+        )
     kind = drafter_kind(raw)
     layer = raw.get("transformer_layer_config") if ck.speculators else raw
     dflash = (layer.get("dflash_config") if isinstance(layer, Mapping) else None) or {}
@@ -449,6 +466,9 @@ def diagnose(
             "this build (and stock 0.20.1) would ignore the fields above and compute something else than the drafter "
             "was trained to: serve it with the release that reads them"
         )
+    elif ours.refusal is not None and ours.refusal.stage == "here":
+        klass, verdict = NOT_RUNNABLE, f"{NOT_RUNNABLE}: {ours.refusal.line}"
+        advice.append("check the drafter on a machine that builds its layers (a GPU), or with --prove")
     elif ours.refusal is not None:
         klass, verdict = REFUSED, f"{REFUSED}: {ours.refusal.line}"
         advice.append("change the field the line names in the drafter's config.json, then run the doctor again")
@@ -504,7 +524,7 @@ def diagnose(
         taps=taps,
         ignored=ignored,
         unknown_fields=unknown,
-        not_runnable=blocking if klass == NOT_RUNNABLE else [],
+        not_runnable=(blocking or [verdict.removeprefix(f"{NOT_RUNNABLE}: ")]) if klass == NOT_RUNNABLE else [],
         verdict_class=klass,
         verdict=verdict,
         stock_wrong=wrong,
@@ -512,6 +532,10 @@ def diagnose(
         advice=advice,
         layer_types=_layer_types(ours),
     )
+
+
+def _eagle3_words(value: Any) -> str:
+    return "has no model" if value is None else "implements SupportsEagle3" if value else "no SupportsEagle3"
 
 
 def _layer_types(r: col.Reading) -> list[str] | None:

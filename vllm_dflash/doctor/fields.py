@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_dflash.doctor.columns import NOT_BUILT_HERE
+
 READ = "read"
 HARMLESS = "ignored (harmless)"
 CHANGES = "ignored, but changes the computation"
@@ -334,17 +336,24 @@ def _diff(a: Any, b: Any, where: str = "") -> list[str]:
     return [] if a == b else [f"{where}: {json.dumps(a)} (without it: {json.dumps(b)})"]
 
 
-# What a CPU machine cannot build, whatever the config says: a quantized layer's GPU kernel, the V2 speculator of a
-# release whose imports need triton-cpu. The drafter's verdict then names it "not built here", never "refuses".
-NOT_BUILT_HERE = ("Failed to find a kernel", "not built here")
-
-
 def _primary(answer: Mapping[str, Any]) -> Mapping[str, Any]:
     runs = answer.get("runners")
     if not isinstance(runs, Mapping):
         return answer
     got: Any = runs.get("v2") or runs.get("default") or next(iter(runs.values()), {})
     return got if isinstance(got, Mapping) else {}
+
+
+def _rule_active(path: str, value: Any) -> bool:
+    """Where no build measured it: whether the value changes the computation, as the feature table says (a value
+    equal to the default changes nothing)."""
+    feature = FEATURES_TOP.get(path) or (FEATURES_DFLASH.get(path.removeprefix("dflash_config.")))
+    return feature.active(value) if feature is not None else _present(value)
+
+
+def _refused(answer: Mapping[str, Any]) -> str:
+    rec = _primary(answer)
+    return str(rec.get("load_error") or rec.get("model_error") or rec.get("init_error") or rec.get("class_error") or "")
 
 
 def _linears(answer: Mapping[str, Any] | None) -> dict[str, str]:
@@ -369,6 +378,9 @@ def _effect(with_: Mapping[str, Any] | None, without: Mapping[str, Any] | None) 
     here = [c for c in changes if any(m in c.split(" (without it", 1)[0] for m in NOT_BUILT_HERE)]
     if here:
         return "not computed: not built here: " + here[0]
+    either = _refused(with_)
+    if not changes and either:
+        return f"not computed: it refuses the config with the field and without it ({either})"
     if not changes:
         return "ignores it"
     refused = [c for c in changes if ("_error" in c.split(":")[0]) and not c.split(": ", 1)[1].startswith("null")]
@@ -434,6 +446,7 @@ def classify(
             here, value = _get(raw["transformer_layer_config"], path)
         ours = m.effects.get("this build", "")
         others = {b: e for b, e in m.effects.items() if b.startswith("upstream") and m.reads(b)}
+        unmeasured = [b for b, e in m.effects.items() if b.startswith("upstream") and "refuses the config" in e]
         quant = _quantized(path, m) if path == "quantization_config" else ""
         if quant:
             out.blocking.append(Hit(path, _short(value), Feature(entry.what, f"{entry.reader}; {quant}", _present)))
@@ -446,6 +459,13 @@ def classify(
             out.blocking.append(
                 Hit(path, _short(value), Feature(entry.what, f"{entry.reader} (measured: {said})", _present))
             )
+        elif unmeasured:
+            said = f"{' and '.join(unmeasured)} refuse this config either way, so who reads it is the table's word"
+            rule = f"{entry.reader} ({said}: a rule, not measured)"
+            if _rule_active(path, value):
+                out.blocking.append(Hit(path, _short(value), Feature(entry.what, rule, _present)))
+            else:
+                out.harmless.append(f"{path} = {_short(value)} ({entry.what}: this value changes nothing; {rule})")
         elif entry.at_load_only:
             out.harmless.append(
                 f"{path} = {_short(value)} (no drafter built here changes with it; {entry.at_load_only}: "

@@ -93,9 +93,9 @@ def stand_in_target(raw: dict[str, Any]) -> dict[str, Any]:
     layer: dict[str, Any] = got if isinstance(got, dict) else {}
     dflash: dict[str, Any] = layer["dflash_config"] if isinstance(layer.get("dflash_config"), dict) else {}
     ids = [i for i in (dflash.get("target_layer_ids") or raw.get("aux_hidden_state_layer_ids") or []) if _int(i)]
-    depth = _int(layer.get("num_target_layers"))
-    if depth is None or not 1 <= depth <= 1024:
-        depth = max([36, *(i + 2 for i in ids if i < 1024)])
+    # deep enough for every id (the drafter's own num_target_layers is a note; only --target decides a misfit)
+    depth = max([_int(layer.get("num_target_layers")) or 36, *(i + 2 for i in ids if i < 1024)])
+    depth = depth if 1 <= depth <= 1024 else 36
     hidden = _int(layer.get("target_hidden_size")) or _int(layer.get("hidden_size")) or 64
     heads = _int(layer.get("num_attention_heads")) or 4
     heads = heads if hidden % heads == 0 else 1
@@ -244,12 +244,25 @@ class Side:
             (drafter_dir / "config.json").write_text(json.dumps(raw))
             tcfg = target if target is not None else stand_in_target(raw)
             rec["target_stand_in"] = target is None
+            if target is not None:
+                rec["target_registry"] = _registry_eagle3(target)
             (target_dir / "config.json").write_text(json.dumps(tcfg))
             try:
                 cfg = self.engine_config(str(drafter_dir), str(target_dir), k, serve, runner)
             except Exception as exc:  # the release refuses the config: the line it prints
-                rec["load_error"] = _err(exc)
-                return rec
+                if target is None:
+                    rec["load_error"] = _err(exc)
+                    return rec
+                # the user's target is what vLLM refuses? Then the drafter is read beside the stand-in, and said.
+                tcfg = stand_in_target(raw)
+                (target_dir / "config.json").write_text(json.dumps(tcfg))
+                try:
+                    cfg = self.engine_config(str(drafter_dir), str(target_dir), k, serve, runner)
+                except Exception:
+                    rec["load_error"] = _err(exc)
+                    return rec
+                rec["target_load_error"] = _err(exc)
+                rec["target_stand_in"] = True
             spec = cfg.speculative_config
             hf = spec.draft_model_config.hf_config
             rec["loaded"] = {name: _plain(getattr(hf, name, _MISSING)) for name in LOADED}
@@ -515,6 +528,27 @@ def _model_class(model_config: Any) -> str | None:
         return str(cls.__name__)
     except Exception:
         return None
+
+
+def _registry_eagle3(target: dict[str, Any]) -> dict[str, Any]:
+    """Per architecture the target config names: whether this release's registry has a model for it and whether that
+    model class implements SupportsEagle3 (records aux hidden states), without building it."""
+    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    named = target.get("architectures")
+    archs: list[Any] = named if isinstance(named, list) else []
+    out: dict[str, Any] = {}
+    for arch in archs:
+        if not isinstance(arch, str):
+            continue
+        try:
+            cls, _ = ModelRegistry.resolve_model_cls([arch])
+        except Exception:
+            out[arch] = None
+            continue
+        out[arch] = bool(supports_eagle3(cls))
+    return out
 
 
 def _recorded(target: Any) -> list[int] | None:
