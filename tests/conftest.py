@@ -197,10 +197,11 @@ def doctor(manifest: Manifest) -> Iterator[Any]:
         yield Doctor(sides)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def doctor_servers(manifest: Manifest) -> Iterator[None]:
-    """The CLI's column servers started (and answering) before tests that time or fuzz `vllm-dflash doctor`: what
-    a warm doctor run is."""
+    """The CLI's column servers started (and answering) before a test that times or fuzzes `vllm-dflash doctor`:
+    what a warm doctor run is. Per test: a server idle past its timeout since the last test is started again here,
+    not inside the timed run."""
     from vllm_dflash.doctor.reader import Doctor
     from vllm_dflash.doctor.sides import Sides, columns, server_idle
     from vllm_dflash.series import read_queues

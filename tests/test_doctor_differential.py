@@ -76,15 +76,21 @@ DEVIATIONS: tuple[tuple[str, str, Callable[[Mapping[str, Any]], bool]], ...] = (
     (
         "architectures only upstream registers",
         "upstream",
-        lambda r: not any(a == "DFlashDraftModel" for a in (_layer(r).get("architectures") or []))
-        and "speculators_model_type" not in r,
+        lambda r: (
+            not any(a == "DFlashDraftModel" for a in (_layer(r).get("architectures") or []))
+            and "speculators_model_type" not in r
+        ),
     ),
     # reference: dflash_config.use_swa / swa_window_size / causal are upstream's spellings the reference ignores
     ("dflash_config spellings the reference ignores", "reference", lambda r: bool(_dflash(r))),
     # reference: the speculators format is no reference format
     ("speculators format", "reference", lambda r: "speculators_model_type" in r),
     # reference: it loads with transformers 5.15 and its own Qwen3Config whatever model_type says (llama included)
-    ("reference loading (transformers 5.15, Qwen3Config)", "reference", lambda r: _layer(r).get("model_type") != "qwen3"),
+    (
+        "reference loading (transformers 5.15, Qwen3Config)",
+        "reference",
+        lambda r: _layer(r).get("model_type") != "qwen3",
+    ),
 )
 
 

@@ -291,6 +291,20 @@ def ablations(raw: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def repaired(raw: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The config with `use_sliding_window: true` when transformers would drop its window (upstream then refuses
+    every sliding layer, with and without any field, and so measures nothing): the config as this build reads the
+    window. None when there is nothing to repair."""
+    layer = raw.get("transformer_layer_config") if "speculators_model_type" in raw else raw
+    if not isinstance(layer, Mapping) or layer.get("sliding_window") is None or layer.get("use_sliding_window") is True:
+        return None
+    fixed = {**layer, "use_sliding_window": True}
+    return {**raw, "transformer_layer_config": fixed} if layer is not raw else fixed
+
+
+REPAIRED = "measured on the config with use_sliding_window: true (the window as this build reads it)"
+
+
 @dataclass(frozen=True)
 class Measured:
     """What each build's own code did differently with the field than without it: "reads it: <what changed>",
@@ -362,9 +376,11 @@ def _linears(answer: Mapping[str, Any] | None) -> dict[str, str]:
         return {}
     rec = _primary(answer)
     layers = rec.get("layers") or [{}]
-    model = rec.get("model") or {}
+    first = layers[0] if isinstance(layers[0], Mapping) else {}  # the reference's layers are [kind, window, causal]
+    got = rec.get("model")
+    model: Mapping[str, Any] = got if isinstance(got, Mapping) else {}
     out = {}
-    for name, lin in (("qkv_proj", layers[0].get("qkv")), ("fc", model.get("fc")), ("lm_head", model.get("lm_head"))):
+    for name, lin in (("qkv_proj", first.get("qkv")), ("fc", model.get("fc")), ("lm_head", model.get("lm_head"))):
         if isinstance(lin, Mapping):
             out[name] = str(lin.get("quant_method"))
     return out
@@ -391,18 +407,28 @@ def _effect(with_: Mapping[str, Any] | None, without: Mapping[str, Any] | None) 
 
 
 def measure(
-    answers: Mapping[str, Mapping[str, Any]], variants: Mapping[str, Mapping[str, Mapping[str, Any]]]
+    answers: Mapping[str, Mapping[str, Any]],
+    variants: Mapping[str, Mapping[str, Mapping[str, Any]]],
+    repaired_answers: Mapping[str, Mapping[str, Any]] | None = None,
+    repaired_variants: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
 ) -> dict[str, Measured]:
     """`answers`: each build's answer to the config; `variants`: path -> each build's answer to the config without
-    that field. Per field, what each build's code did with it."""
-    return {
-        path: Measured(
-            path,
-            {b: _effect(answers.get(b), without.get(b)) for b in answers},
-            {b: _linears(answers.get(b)) for b in answers},
-        )
-        for path, without in variants.items()
-    }
+    that field; the same for the repaired config (`repaired`), used for a build that refuses the config either way.
+    Per field, what each build's code did with it."""
+    repaired_answers = repaired_answers or {}
+    repaired_variants = repaired_variants or {}
+    out = {}
+    for path, without in variants.items():
+        effects = {}
+        for b in answers:
+            effect = _effect(answers.get(b), without.get(b))
+            again = repaired_variants.get(path, {}).get(b)
+            if "refuses the config with the field and without it" in effect and again is not None:
+                second = _effect(repaired_answers.get(b), again)
+                effect = effect if second.startswith("not computed") else f"{second} ({REPAIRED})"
+            effects[b] = effect
+        out[path] = Measured(path, effects, {b: _linears(answers.get(b)) for b in answers})
+    return out
 
 
 @dataclass(frozen=True)
@@ -459,6 +485,11 @@ def classify(
             out.blocking.append(
                 Hit(path, _short(value), Feature(entry.what, f"{entry.reader} (measured: {said})", _present))
             )
+        elif entry.at_load_only and not unmeasured:
+            out.harmless.append(
+                f"{path} = {_short(value)} (no drafter built here changes with it; {entry.at_load_only}: "
+                f"{entry.reader}, a rule, not measured)"
+            )
         elif unmeasured:
             said = f"{' and '.join(unmeasured)} refuse this config either way, so who reads it is the table's word"
             rule = f"{entry.reader} ({said}: a rule, not measured)"
@@ -471,6 +502,8 @@ def classify(
                 f"{path} = {_short(value)} (no drafter built here changes with it; {entry.at_load_only}: "
                 f"{entry.reader}, a rule, not measured)"
             )
+        elif not _rule_active(path, value):
+            out.harmless.append(f"{path} = {_short(value)} ({entry.what}: the default; no build's drafter changes)")
         else:
             out.unknown.append(f"{path} = {_short(value)} (no build's drafter changes with it, measured)")
     layers = [raw]

@@ -47,26 +47,35 @@ class Doctor:
         """Every config (and, for each 2026 field it carries, the config without it) through every column, one
         batch per column."""
         requests: list[dict[str, Any]] = []
-        spans: list[tuple[int, list[str]]] = []
+        spans: list[tuple[int, list[str], bool]] = []
         for raw in configs:
             start = len(requests)
             requests.append({"config": dict(raw), "target": target, "serve": dict(serve or {})})
-            paths = []
-            for path, variant in F.ablations(raw):
+            pairs = F.ablations(raw)
+            for _path, variant in pairs:
                 requests.append({"config": variant, "target": target, "serve": {}})
-                paths.append(path)
-            spans.append((start, paths))
+            fixed = F.repaired(raw) if pairs else None
+            if fixed is not None:  # the same pairs on the config as this build reads its window
+                requests.append({"config": fixed, "target": target, "serve": {}})
+                requests += [{"config": v, "target": target, "serve": {}} for _p, v in F.ablations(fixed)]
+            spans.append((start, [p for p, _ in pairs], fixed is not None))
         answers = self.sides.ask(requests)
         how = self.how
         out = []
-        for start, paths in spans:
+        for start, paths, has_fixed in spans:
             main = {b: a[start] for b, a in answers.items()}
             readings = col.readings(main, how)
             for build, c in self.sides.columns.items():
                 if isinstance(c, Unavailable):
                     readings[build] = col.unavailable(build, c.why)
+            n = len(paths)
             variants = {p: {b: a[start + 1 + j] for b, a in answers.items()} for j, p in enumerate(paths)}
-            out.append(Read(readings, F.measure(main, variants), main))
+            rep_main, rep_variants = None, None
+            if has_fixed:
+                at = start + 1 + n
+                rep_main = {b: a[at] for b, a in answers.items()}
+                rep_variants = {p: {b: a[at + 1 + j] for b, a in answers.items()} for j, p in enumerate(paths)}
+            out.append(Read(readings, F.measure(main, variants, rep_main, rep_variants), main))
         return out
 
     def diagnose(

@@ -336,7 +336,8 @@ def _servers_dir() -> Path:
 
 def server_idle() -> float:
     """How long a column's side waits for the next doctor run (VLLM_DFLASH_DOCTOR_IDLE seconds, default 600; 0: no
-    server, each run starts and ends its own processes). A socket path too long for AF_UNIX turns it off too."""
+    server, each run starts and ends its own processes). A socket path too long for AF_UNIX (a deep cache directory)
+    turns it off for that column."""
     raw = os.environ.get("VLLM_DFLASH_DOCTOR_IDLE", "600")
     try:
         idle = float(raw)
@@ -344,8 +345,6 @@ def server_idle() -> float:
         raise ConformanceError(
             f"VLLM_DFLASH_DOCTOR_IDLE={raw!r} is no number of seconds", "set it to 0 (no server) or seconds"
         ) from None
-    if len(str(_servers_dir() / ("x" * 24 + ".sock.1234567"))) > 100:
-        return 0.0
     return max(0.0, idle)
 
 
@@ -371,7 +370,8 @@ class Sides:
         with self._lock:
             got = self._procs.get(column.build)
         if got is None:
-            got = _Server(column, self.idle) if self.idle > 0 else _Process(column)
+            fits = len(str(_servers_dir() / f"{column.identity[:24]}.sock.{'9' * 8}")) <= 100  # AF_UNIX's limit
+            got = _Server(column, self.idle) if self.idle > 0 and fits else _Process(column)
             with self._lock:
                 self._procs[column.build] = got
                 self.started.append(column.build)
