@@ -493,7 +493,10 @@ def _served(d: D.Diagnosis, spec: C.CaseSpec) -> dict[str, dict[str, Any]]:
     ours_taps = [i + 1 for i in spec.target_layer_ids]
     stock_taps = [t - 1 if k in d.stock_wrong.get("taps", []) else t for k, t in enumerate(ours_taps)]
     return {
-        "patched": {"attention_line": line, "layout": {"windows": prove._backend(rows), "aux_layers": ours_taps}},
+        "patched": {
+            "attention_line": line,
+            "layout": {"windows": prove._backend(rows), "aux_layers": ours_taps, "fed": d.taps.ours_recorded},
+        },
         "stock": {
             "layout": {
                 "windows": prove._backend(prove._expected_rows(d, "stock 0.20.1", None)),
@@ -527,6 +530,14 @@ def test_claims_hold_only_for_a_twin_served_as_claimed(doctor: Any) -> None:
             "stock 0.20.1: target layers recorded (aux indices)",
             "stock 0.20.1: which target layers it reads wrong (positions)",
         }
+        bad = json.loads(json.dumps(served))  # the fc fed the taps in another order than the doctor says
+        bad["patched"]["layout"]["fed"] = bad["patched"]["layout"]["fed"][::-1]
+        assert [c.what for c in prove.claims(d, spec, bad, d) if not c.holds] == [
+            "this build: the target layers the drafter's fc receives, in the order it receives them"
+        ]
+        bad["patched"]["layout"].pop("fed")  # nothing recorded: the claim is named as not run, never as held
+        fed = next(c for c in prove.claims(d, spec, bad, d) if "fc receives" in c.what)
+        assert not fed.ran and not fed.holds
         other = diag({**cfg, "is_causal": False}, doctor, target_layers=64)
         assert [c.what for c in prove.claims(d, spec, served, other) if not c.holds] == [
             "the twin's reading has the user's shape (per layer kind, window spelling, causality; taps; verdict)"

@@ -404,7 +404,8 @@ def diagnose(
     target = ours.target
     registry = target.get("target_registry") or {}
     built = target.get("target_supports_eagle3") is False and not target.get("target_stand_in")
-    listed = bool(registry) and not any(registry.values())  # every architecture it names: no model, or no Eagle3
+    # not built (vLLM cannot load the --target config): every architecture it names has no model, or no Eagle3
+    listed = bool(target.get("target_stand_in")) and bool(registry) and not any(registry.values())
     if target_architectures and (built or listed):
         how = (
             f"its model {target.get('target_class')} does not implement SupportsEagle3 (built here)"

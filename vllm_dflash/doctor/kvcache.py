@@ -186,6 +186,12 @@ def built_rows(readings: Mapping[str, Any]) -> dict[str, Any]:
             )
         return [{"spec": r["spec"], "window": r.get("window"), "bytes": r["bytes"]} for r in kv[part]]
 
+    target_error = readings[OURS].target.get("target_load_error") or readings[OURS].target.get("target_error")
+    if target_error and readings[OURS].kv and "target" in readings[OURS].kv:
+        raise CheckpointError(
+            f"vLLM does not build the --target model: {target_error}",
+            "--context sizes the target you serve: pass its full config.json",
+        )
     for build in (OURS, STOCK):
         r = readings[build]
         if r.refusal is not None or not r.kv:
@@ -260,10 +266,11 @@ def per_sequence(
             hint="the vLLM environment is broken: delete it under the cache's envs/ and retry",
         )
         groups = json.loads(gres.stdout.strip().splitlines()[-1])
+    built = out.get("serve") or {}
     return KVCacheFigures(
         context=context,
-        dtype=dtype,
-        block_size=kv_block,
+        dtype=str(built.get("dtype") or dtype),
+        block_size=int(built.get("block_size") or kv_block),
         max_num_batched_tokens=chunk,
         num_speculative_tokens=k,
         this_build=_layer_rows(out["this_build"]),
@@ -298,7 +305,7 @@ def render_text(f: KVCacheFigures) -> str:
         out.append(f"  this build keeps {per[_THIS] / per['stock']:.1%} of stock's drafter KV cache")
     if f.target is not None:
         t = per["target"]
-        out.append(f"  target, attention layers ({len(f.target)}): {t:,} bytes ({_mib(t)})")
+        out.append(f"  target, every layer's KV cache or state ({len(f.target)}): {t:,} bytes ({_mib(t)})")
         if f.target_note:
             out.append(f"    {f.target_note}")
         for name, key in ((THIS_BUILD, _THIS), ("stock 0.20.1", "stock")):

@@ -269,6 +269,14 @@ def claims(
             (patched.get("layout") or {}).get("aux_layers"),
         )
     )
+    if twin is not None:  # what the fc receives, in order: the doctor's twin reading against the served target
+        out.append(
+            Claim(
+                "this build: the target layers the drafter's fc receives, in the order it receives them",
+                twin.taps.ours_recorded,
+                (patched.get("layout") or {}).get("fed"),
+            )
+        )
     if spec.refusal or "stock" not in spec.builds:
         return out + _shape(d, twin)
     stock_served = (stock.get("layout") or {}).get("windows")
@@ -300,6 +308,36 @@ def claims(
             )
         )
     return out + _shape(d, twin)
+
+
+# What a twin scales (sizes) or spells its own way (where the window and ids sit): not expected in its config.json.
+_SCALED = frozenset(
+    {
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+        "max_position_embeddings", "rms_norm_eps", "num_target_layers", "transformers_version", "dtype", "torch_dtype",
+        "bos_token_id", "eos_token_id", "pad_token_id", "sliding_window", "use_sliding_window", "max_window_layers",
+        "layer_types", "target_layer_ids", "mask_token_id", "block_size", "swa_window_size", "rope_theta",
+        "rope_scaling", "rope_parameters", "initializer_range", "tie_word_embeddings", "architectures", "model_type",
+        "num_hidden_layers", "attention_bias", "attention_dropout", "hidden_act", "use_cache", "auto_map",
+    }
+)  # fmt: skip
+
+
+def kept_fields(user: Any, twin: Any) -> list[str]:
+    """Fields of the user's config (top level and dflash_config) the twin's config.json does not carry, sizes and
+    the spellings a twin writes its own way aside: what the twin would silently drop."""
+
+    def names(cfg: Any) -> set[str]:
+        if not isinstance(cfg, dict):
+            return set()
+        layer = cfg.get("transformer_layer_config") if "speculators_model_type" in cfg else cfg
+        layer = layer if isinstance(layer, dict) else {}
+        out = {k for k in (*cfg, *layer) if k not in ("dflash_config", "transformer_layer_config")}
+        dflash = layer.get("dflash_config")
+        out |= {f"dflash_config.{k}" for k in dflash} if isinstance(dflash, dict) else set()
+        return {n for n in out if n.split(".")[-1] not in _SCALED}
+
+    return sorted(names(user) - names(twin))
 
 
 def _shape(d: D.Diagnosis, twin: D.Diagnosis | None) -> list[Claim]:
@@ -343,14 +381,17 @@ def prove(
     summaries = {b: _summary(work / b / f"{spec.name}.jsonl") for b in ("patched", "stock")}
     twin_config = case_dir(spec) / "drafter" / "config.json"
     twin = None
+    dropped: Any = NOT_RUN
     if twin_config.is_file():
         raw = json.loads(twin_config.read_text())
+        dropped = kept_fields(dict(ck.config), raw)
         twin = doc.diagnose(
             Checkpoint(str(twin_config), raw, speculators="speculators_model_type" in raw),
             spec.target_layers,
             "the twin's target",
         )
-    return ProveResult(spec, kept, result, claims(d, spec, summaries, twin))
+    keeps = Claim("the twin carries every field of the user's config (sizes scaled)", [], dropped)
+    return ProveResult(spec, kept, result, [*claims(d, spec, summaries, twin), keeps])
 
 
 def render_prove(result: ProveResult, exit_code: int | None = None) -> None:

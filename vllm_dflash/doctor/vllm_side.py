@@ -205,6 +205,20 @@ class Side:
             kwargs["dtype"] = str(serve["dtype"])
         return self.EngineArgs(**kwargs).create_engine_config()
 
+    def _align_blocks(self, cfg: Any, rec: dict[str, Any]) -> None:
+        """What the executor does before the models are built: the platform's block size for its attention backend,
+        and for a hybrid target the attention block raised to hold a Mamba state page (may override --block-size)."""
+        from vllm.platforms import current_platform
+
+        update = getattr(current_platform, "update_block_size_for_backend", None)
+        if update is None:
+            return
+        try:
+            with self.set_current_vllm_config(cfg):
+                update(cfg)
+        except Exception as exc:
+            rec["block_size_error"] = _err(exc)
+
     def target(self, cfg: Any, tcfg: dict[str, Any], serve: dict[str, Any], rec: dict[str, Any]) -> Any:
         """The target model built on the meta device, once per distinct target config and serve arguments (configs
         of a batch share it: only its layers, default aux layers and recording are read)."""
@@ -263,6 +277,7 @@ class Side:
                     return rec
                 rec["target_load_error"] = _err(exc)
                 rec["target_stand_in"] = True
+            self._align_blocks(cfg, rec)
             spec = cfg.speculative_config
             hf = spec.draft_model_config.hf_config
             rec["loaded"] = {name: _plain(getattr(hf, name, _MISSING)) for name in LOADED}
@@ -543,11 +558,10 @@ def _registry_eagle3(target: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(arch, str):
             continue
         try:
-            cls, _ = ModelRegistry.resolve_model_cls([arch])
+            cls = ModelRegistry._try_load_model_cls(arch)
         except Exception:
-            out[arch] = None
-            continue
-        out[arch] = bool(supports_eagle3(cls))
+            cls = None
+        out[arch] = None if cls is None else bool(supports_eagle3(cls))
     return out
 
 
