@@ -626,7 +626,23 @@ def test_prove_a_twin_of_the_wrong_shape_exits_1(manifest: Manifest, doctor: Any
 # 16 full-attention layers, every fourth, with 4 KV heads of 256.
 Q36_TARGET = {
     "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "model_type": "qwen3_5",
+    "tie_word_embeddings": False,
     "text_config": {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "vocab_size": 248320,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-06,
+        "full_attention_interval": 4,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
         "num_hidden_layers": 64,
         "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16,
         "num_attention_heads": 24,
@@ -669,12 +685,12 @@ def test_context_reads_the_drafter_and_target_shapes(doctor: Any) -> None:
 
 
 @pytest.mark.heavy
-@pytest.mark.slow
-def test_context_sizes_the_kv_cache_with_vllms_own_specs(tmp_path: Path) -> None:
-    """`doctor --context` on Qwen3.6-27B-DFlash's shape (bf16) and its target: the bytes come from vLLM's spec classes
-    in this build's CPU environment; checked here against the page arithmetic (16-token blocks, 8 KV heads of 128, K
-    and V, 2 bytes): stock keeps 5 full layers, this build 1 full layer plus 4 sliding layers of window 2048 + 15
-    drafted tokens with one 2048-token prefill chunk (SlidingWindowSpec's admission bound), whatever the context."""
+def test_context_sizes_the_kv_cache_from_the_built_models(tmp_path: Path, doctor_servers: None) -> None:
+    """`doctor --context` on Qwen3.6-27B-DFlash's shape (bf16) beside a Qwen3.6-27B-shaped target: every figure is a
+    KV-cache spec a built layer reports, held here against the page arithmetic (16-token blocks, 8 KV heads of 128 for
+    the drafter, 4 of 256 for the target's 16 attention layers, K and V, 2 bytes): stock keeps 5 full drafter layers,
+    this build 1 full layer plus 4 sliding layers of window 2048 + 15 drafted tokens with one 2048-token prefill chunk
+    (SlidingWindowSpec's admission bound); the target's 48 Gated DeltaNet layers keep a MambaSpec state each."""
     (tmp_path / "target.json").write_text(json.dumps(Q36_TARGET))
     out = tmp_path / "d.json"
     ck = REPO / "vllm_dflash" / "doctor" / "checkpoints" / "z-lab--Qwen3.6-27B-DFlash.json"
@@ -687,33 +703,18 @@ def test_context_sizes_the_kv_cache_with_vllms_own_specs(tmp_path: Path) -> None
     page = 16 * 8 * 128 * 2 * 2
     full = 131072 // 16 * page
     sliding = (-(-(2048 + 15 - 1 + 2048) // 16) + 1) * page
+    assert [x["spec"] for x in kv["this_build"]] == ["SlidingWindowSpec"] * 4 + ["FullAttentionSpec"]
+    assert {x["window"] for x in kv["this_build"][:4]} == {2048 + 15}
+    target = kv["target"]
+    attention = [x for x in target if x["spec"] == "FullAttentionSpec"]
+    state = [x for x in target if x["spec"] == "MambaSpec"]
+    assert (len(attention), len(state)) == (16, 48) and len({x["bytes"] for x in state}) == 1
     assert kv["per_sequence_bytes"] == {
         "this_build": full + 4 * sliding,
         "stock": 5 * full,
-        "target": 16 * (131072 // 16) * (16 * 4 * 256 * 2 * 2),
-    }
-    assert [x["spec"] for x in kv["this_build"]] == ["SlidingWindowSpec"] * 4 + ["FullAttentionSpec"]
-    assert {x["window"] for x in kv["this_build"][:4]} == {2048 + 15}
-    # vLLM's own KV-cache config code over the whole model's groups (no padding for this shape: every page is 64 KiB)
-    assert kv["reserved_bytes"] == {
-        "this_build": kv["per_sequence_bytes"]["this_build"] + kv["per_sequence_bytes"]["target"],
-        "stock": kv["per_sequence_bytes"]["stock"] + kv["per_sequence_bytes"]["target"],
+        "target": 16 * (131072 // 16) * (16 * 4 * 256 * 2 * 2) + sum(x["bytes"] for x in state),
     }
     assert "this build keeps 22.5% of stock's drafter KV cache" in run.stdout
-    assert "drafter share, stock 0.20.1: 23.8% of target + drafter" in run.stdout
-    # vLLM's own grouping (get_kv_cache_groups) of 48 GDN + 16 full target layers and the 5 drafter layers: the
-    # attention block is the smallest multiple of 16 whose page (4 KV heads x 256, K and V, bf16) holds one GDN state
-    # (conv 3 x (2*16*128 + 48*128) and temporal 48 x 128 x 128, bf16); stock groups 5 layers a group: 10 GDN, 4
-    # target full, 1 drafter group.
-    g = kv["groups"]
-    gdn_state = (3 * (2 * 16 * 128 + 48 * 128) + 48 * 128 * 128) * 2
-    block = 16 * -(-gdn_state // (16 * 4 * 256 * 2 * 2))
-    assert (g["attention_block_size"], g["mamba_page_size_unpadded"]) == (block, gdn_state)
-    assert g["stock"]["page_size_bytes"] == [block * 4 * 256 * 2 * 2] and g["stock"]["block_sizes"] == [block]
-    assert g["stock"]["count"] == 10 + 4 + 1
-    assert g["this_build"]["page_size_bytes"] == g["stock"]["page_size_bytes"]
-    assert g["this_build"]["block_sizes"] == g["stock"]["block_sizes"]
-    assert "KV-cache groups (vLLM 0.20.1+dflash.1's get_kv_cache_groups" in run.stdout
 
 
 @pytest.mark.heavy
@@ -857,12 +858,13 @@ def test_context_takes_the_serve_arguments() -> None:
 
 
 @pytest.mark.heavy
-def test_context_with_the_profiles_serve_arguments(tmp_path: Path) -> None:
+def test_context_with_the_profiles_serve_arguments(tmp_path: Path, doctor_servers: None) -> None:
     """At 16K context the qwen3.6-27b profile's 32,768-token prefill chunk makes each sliding layer reserve its window
-    plus one chunk (capped at the context): more than a full layer, so this build keeps no less than stock."""
+    plus one chunk (capped at the context): more than a full layer, so this build keeps no less than stock. The
+    figures are the built layers' own (vLLM's max_memory_usage_bytes at the profile's serve arguments)."""
     ck = REPO / "vllm_dflash" / "doctor" / "checkpoints" / "z-lab--Qwen3.6-27B-DFlash.json"
     figures = {}
-    for extra in ([], ["--profile", "qwen3.6-27b"]):
+    for extra in ([], ["--profile", "qwen3.6-27b"], ["--profile", "qwen3.6-27b", "--max-num-batched-tokens", "2048"]):
         out = tmp_path / f"d{len(extra)}.json"
         args = ["doctor", str(ck), "--context", "16384", "--json", str(out), *extra]
         run = subprocess.run(
@@ -872,10 +874,13 @@ def test_context_with_the_profiles_serve_arguments(tmp_path: Path) -> None:
             check=False,
         )
         assert run.returncode == 20, run.stderr[-2000:]
-        figures[len(extra)] = json.loads(out.read_text())["kv_cache"]["per_sequence_bytes"]
+        kv = json.loads(out.read_text())["kv_cache"]
+        figures[len(extra)] = kv["per_sequence_bytes"]
+        assert kv["max_num_batched_tokens"] == (32768 if len(extra) == 2 else 2048)
     page = 16 * 8 * 128 * 2 * 2
     full = 16384 // 16 * page
     assert figures[0]["this_build"] < figures[0]["stock"]  # the control: the default 2,048-token chunk
+    assert figures[4] == figures[0]  # the command line wins over the profile
     assert figures[2]["this_build"] > figures[2]["stock"] == 5 * full
     # window + chunk exceeds the context: SlidingWindowSpec caps a layer at max_model_len, plus one block
     assert figures[2]["this_build"] == full + 4 * (min(2048 + 15 - 1 + 32768, 16384) // 16 + 1) * page

@@ -61,7 +61,9 @@ def test_pipes_answer_a_batch_in_order_and_keep_logs_off_the_protocol(toy: sides
     assert [a["echo"] for a in got] == [{"n": i} for i in range(30)]
 
 
-def test_a_server_outlives_its_run_and_a_probe_then_leaves_when_idle(toy: sides.Column) -> None:
+def test_a_server_outlives_its_run_and_a_probe_then_leaves_when_idle(
+    toy: sides.Column, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The warm doctor: a second run (a new Sides) reaches the server the first started, after a client that only
     connected and left (what _connectable does); the server exits after `idle` seconds without a client."""
     with sides.Sides({"toy": toy}, cache=False, idle=3) as s:
@@ -74,6 +76,7 @@ def test_a_server_outlives_its_run_and_a_probe_then_leaves_when_idle(toy: sides.
     with sides.Sides({"toy": toy}, cache=False, idle=3) as s:
         again = s.ask([{"config": {"n": 3}}] * 5)
     assert _pids(again) == first and len(first) == 1  # the same process answered both runs
+    assert capsys.readouterr().err.count("starting the toy column") == 1  # and only one was ever started
     assert [a["echo"] for a in again["toy"]] == [{"n": 3}] * 5
     deadline = time.monotonic() + 30
     while sock.exists() and time.monotonic() < deadline:

@@ -595,3 +595,30 @@ def _sinks_precedence(out: Fields, raw: Mapping[str, Any], layers: list[Mapping[
             for h in top:
                 out.blocking.remove(h)
                 out.harmless.append(f"{h.name} = {h.value} (overridden by dflash_config.attention_sink_bias)")
+
+
+FIELDS_BEGIN = "<!-- fields-table:begin (generated from the doctor's run on tests/doctor_issue39.py; do not edit) -->"
+FIELDS_END = "<!-- fields-table:end -->"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_fields_table(rows: list[tuple[str, str, Measured | None, int]]) -> str:
+    """docs/doctor.md's table of 2026's fields: per (field, value) of the Qwen3.6-27B-DFlash shape, the release and
+    file that reads it, what this build's and vLLM 0.34.0's code did with it (measured: the drafter built with and
+    without it), and the doctor's verdict."""
+    out = [
+        FIELDS_BEGIN,
+        "| field = value | read by (release and file) | this build, measured | vLLM 0.34.0, measured | verdict |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, value, m, code in rows:
+        entry = next(e for e in FIELDS_2026.values() if name in e.spellings)
+        ours = m.effects.get("this build", "-") if m else "-"
+        newest = m.effects.get("upstream 0.34.0", "-") if m else "-"
+        cells = [f"`{name}` = `{value}`", entry.reader, ours, newest, str(code)]
+        out.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    out.append(FIELDS_END)
+    return "\n".join(out)

@@ -85,14 +85,16 @@ def _side_environ(base: Mapping[str, str]) -> dict[str, str]:
 
 def installed_this_build() -> str | None:
     """The version of this build's vLLM when it is installed in the doctor's own interpreter (a vLLM whose package
-    carries vllm-dflash's provenance, vllm/dflash_build.json), else None. Found without importing vLLM."""
+    carries vllm-dflash's provenance, provenance.PATH), else None. Found without importing vLLM."""
     import importlib.util
+
+    from vllm_dflash.provenance import PATH
 
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return None
     root = Path(next(iter(spec.submodule_search_locations)))
-    if not (root / "dflash_build.json").is_file():
+    if not (root.parent / PATH).is_file():
         return None
     from importlib.metadata import PackageNotFoundError, version
 
