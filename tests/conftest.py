@@ -186,14 +186,15 @@ def manifest() -> Manifest:
 
 @pytest.fixture(scope="session")
 def doctor(manifest: Manifest) -> Iterator[Any]:
-    """The doctor reading through every column's own code: one process per column for the whole session (their
-    imports are most of a column's cost), answers cached by digest like the CLI's."""
+    """The doctor reading through every column's own code: the column servers the CLI uses (one process per column
+    for the session and the CLI runs in it alike: their imports are most of a column's cost), answers cached by
+    digest like the CLI's."""
     from vllm_dflash.doctor.reader import Doctor
-    from vllm_dflash.doctor.sides import Sides, columns
+    from vllm_dflash.doctor.sides import Sides, columns, server_idle
     from vllm_dflash.series import read_queues
 
     queues = read_queues(manifest.series_path, manifest.cpu_series_path)
-    with Sides(columns(manifest, queues)) as sides:
+    with Sides(columns(manifest, queues), idle=max(server_idle(), 600.0)) as sides:
         yield Doctor(sides)
 
 

@@ -36,7 +36,7 @@ from vllm_dflash.conformance.compare import (
 )
 from vllm_dflash.doctor import diagnose as D
 from vllm_dflash.doctor.checkpoint import Checkpoint
-from vllm_dflash.doctor.columns import OURS, STOCK, UPSTREAM, UPSTREAM_V1_LAST
+from vllm_dflash.doctor.columns import OURS, REFERENCE, STOCK, UPSTREAM, UPSTREAM_V1_LAST
 from vllm_dflash.errors import CheckpointError
 from vllm_dflash.manifest import Manifest
 from vllm_dflash.series import Queues
@@ -391,7 +391,16 @@ def prove(
             "the twin's target",
         )
     keeps = Claim("the twin carries every field of the user's config (sizes scaled)", [], dropped)
-    return ProveResult(spec, kept, result, [*claims(d, spec, summaries, twin), keeps])
+    # The reference run: conformance's oracle loads the twin with dflash 0.1.0 (weights and all) and refuses to run
+    # unless its layers read what cases.py says the reference reads (spec.reference_attention).
+    ran = result.verdict in ("pass", "fail")
+    reference = Claim(
+        "reference 0.1.0: window and causality of each layer (the doctor's meta-device reading against the reference "
+        "run's)",
+        [[r.window, r.causal] for r in twin.rows if r.build == REFERENCE] if twin is not None else NOT_RUN,
+        [[w, bool(c)] for w, c in spec.reference_attention] if ran else NOT_RUN,
+    )
+    return ProveResult(spec, kept, result, [*claims(d, spec, summaries, twin), keeps, reference])
 
 
 def render_prove(result: ProveResult, exit_code: int | None = None) -> None:

@@ -241,16 +241,23 @@ class _Server:
     `idle` seconds, then gone. What a warm doctor run costs is its requests, not vLLM's imports."""
 
     def __init__(self, column: Column, idle: float) -> None:
-        import fcntl
 
         self.column = column
+        self.idle = idle
         base = _servers_dir()
         self.path = base / f"{column.identity[:24]}.sock"
         self.log = base / f"{column.identity[:24]}.log"
-        with (base / f"{column.identity[:24]}.lock").open("w") as lock:
+        self.lock = base / f"{column.identity[:24]}.lock"
+        self._ensure()
+
+    def _ensure(self) -> None:
+        """The server running: found, or started (again, when it left for idleness since the last batch)."""
+        import fcntl
+
+        with self.lock.open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not self._connectable():
-                self._start(idle)
+                self._start(self.idle)
 
     def _connectable(self) -> bool:
         import socket
@@ -295,6 +302,7 @@ class _Server:
     def ask(self, requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         import socket
 
+        self._ensure()
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(SIDE_TIMEOUT_S)
             s.connect(str(self.path))
