@@ -166,3 +166,21 @@ def test_ablations_cover_every_spelling_present() -> None:
         head, _, rest = path.partition(".")
         assert (rest not in without[head]) if rest else (head not in without)
         assert {k: v for k, v in raw.items() if k != head} == {k: v for k, v in without.items() if k != head}
+
+
+def test_a_side_that_never_answers_is_stopped(
+    tmp_path: Path, toy: sides.Column, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No endless wait: a config that makes a build's code wait (a hub retry loop did, before the sides ran offline)
+    ends in one error after the bound, pipes and server alike, and the silent process is stopped."""
+    silent = TOY.replace('    print("a log', '    import time; time.sleep(60)\n    print("a log')
+    (tmp_path / "toy_side.py").write_text(silent)
+    monkeypatch.setattr(sides, "SIDE_TIMEOUT_S", 2)
+    for idle in (0.0, 30.0):
+        started = time.monotonic()
+        with (
+            pytest.raises(sides.SideError, match="answered nothing for 2 s"),
+            sides.Sides({"toy": toy}, cache=False, idle=idle) as s,
+        ):
+            s.ask([{"config": {"n": 1}}])
+        assert time.monotonic() - started < 30

@@ -78,6 +78,8 @@ class Unavailable:
 def _side_environ(base: Mapping[str, str]) -> dict[str, str]:
     env = dict(base)
     env.update(OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
+    # the doctor never downloads: a config a loader mistakes for a hub id fails at once instead of retrying
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     env.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # each request sets the runner it asks for
     return env
@@ -174,8 +176,11 @@ class _Process:
     """One column's side process: JSON lines in, JSON lines out; its stderr's last lines kept for errors."""
 
     def __init__(self, column: Column) -> None:
+        import queue
+
         self.column = column
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.lines: queue.Queue[str] = queue.Queue()
         self.proc = subprocess.Popen(
             [str(column.python), "-m", column.module],
             stdin=subprocess.PIPE,
@@ -185,10 +190,17 @@ class _Process:
             text=True,
             bufsize=1,
         )
-        assert self.proc.stderr is not None
+        assert self.proc.stderr is not None and self.proc.stdout is not None
         self._drain = threading.Thread(target=self._keep, args=(self.proc.stderr,), daemon=True)
         self._drain.start()
+        self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True)
+        self._reader.start()
         self.ready = self._line()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.put(line)
+        self.lines.put("")  # the end
 
     def _keep(self, stream: IO[str]) -> None:
         for line in stream:
@@ -196,8 +208,20 @@ class _Process:
                 self.tail.append(line.rstrip())
 
     def _line(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
+        """The next answer; a side silent for SIDE_TIMEOUT_S is stopped and said so (never an endless wait)."""
+        import queue
+
+        try:
+            line = self.lines.get(timeout=SIDE_TIMEOUT_S)
+        except queue.Empty:
+            self.proc.kill()
+            from vllm_dflash.proc import tail_text
+
+            raise SideError(
+                f"the {self.column.build} column's process answered nothing for {SIDE_TIMEOUT_S} s and was stopped "
+                f"({self.column.how}): {tail_text(list(self.tail))}",
+                "run the doctor again; if it recurs, the config makes that build's code wait (report it)",
+            ) from None
         if not line:
             self.proc.wait(timeout=30)
             self._drain.join(timeout=5)
@@ -300,9 +324,19 @@ class _Server:
             time.sleep(0.1)
 
     def ask(self, requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        import socket
 
         self._ensure()
+        try:
+            return self._ask(requests)
+        except TimeoutError:
+            raise SideError(
+                f"the {self.column.build} column's server answered nothing for {SIDE_TIMEOUT_S} s ({self.column.how})",
+                f"see {self.log}; run the doctor again (VLLM_DFLASH_DOCTOR_IDLE=0: without a server)",
+            ) from None
+
+    def _ask(self, requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        import socket
+
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(SIDE_TIMEOUT_S)
             s.connect(str(self.path))
