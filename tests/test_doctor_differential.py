@@ -28,7 +28,7 @@ from vllm_dflash.doctor import columns as col
 from vllm_dflash.doctor import diagnose as D
 from vllm_dflash.errors import CheckpointError
 
-EXAMPLES = 400
+EXAMPLES = 300
 SLIDING, FULL = col.SLIDING, col.FULL
 
 

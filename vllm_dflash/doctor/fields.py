@@ -397,6 +397,9 @@ def _effect(with_: Mapping[str, Any] | None, without: Mapping[str, Any] | None) 
     either = _refused(with_)
     if not changes and either:
         return f"not computed: it refuses the config with the field and without it ({either})"
+    unbuilt = str(_primary(with_).get("speculator_error") or "")
+    if not changes and unbuilt.startswith("not built here"):
+        return f"its drafter ignores it; its V2 speculator is not measured ({unbuilt})"
     if not changes:
         return "ignores it"
     refused = [c for c in changes if ("_error" in c.split(":")[0]) and not c.split(": ", 1)[1].startswith("null")]
@@ -420,11 +423,17 @@ def measure(
     out = {}
     for path, without in variants.items():
         effects = {}
+        entry = next((e for e in FIELDS_2026.values() if path in e.spellings), None)
+        by_speculator = entry is not None and "speculator.py" in entry.reader
         for b in answers:
             effect = _effect(answers.get(b), without.get(b))
+            if effect.startswith("its drafter ignores it") and not by_speculator:
+                effect = "ignores it"  # no speculator reads this field: the drafter's is the whole reading
             again = repaired_variants.get(path, {}).get(b)
             if "refuses the config with the field and without it" in effect and again is not None:
                 second = _effect(repaired_answers.get(b), again)
+                if second.startswith("its drafter ignores it") and not by_speculator:
+                    second = "ignores it"
                 effect = effect if second.startswith("not computed") else f"{second} ({REPAIRED})"
             effects[b] = effect
         out[path] = Measured(path, effects, {b: _linears(answers.get(b)) for b in answers})
@@ -607,18 +616,17 @@ def _cell(text: str) -> str:
 
 def render_fields_table(rows: list[tuple[str, str, Measured | None, int]]) -> str:
     """docs/doctor.md's table of 2026's fields: per (field, value) of the Qwen3.6-27B-DFlash shape, the release and
-    file that reads it, what this build's and vLLM 0.34.0's code did with it (measured: the drafter built with and
-    without it), and the doctor's verdict."""
+    file that reads it, what this build's, vLLM 0.33.0's and 0.34.0's code did with it (measured: the drafter built
+    with and without it), and the doctor's verdict."""
     out = [
         FIELDS_BEGIN,
-        "| field = value | read by (release and file) | this build, measured | vLLM 0.34.0, measured | verdict |",
-        "| --- | --- | --- | --- | --- |",
+        "| field = value | read by (release and file) | this build | vLLM 0.33.0 | vLLM 0.34.0 | verdict |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, value, m, code in rows:
         entry = next(e for e in FIELDS_2026.values() if name in e.spellings)
-        ours = m.effects.get("this build", "-") if m else "-"
-        newest = m.effects.get("upstream 0.34.0", "-") if m else "-"
-        cells = [f"`{name}` = `{value}`", entry.reader, ours, newest, str(code)]
+        got = [m.effects.get(b, "-") if m else "-" for b in ("this build", "upstream 0.33.0", "upstream 0.34.0")]
+        cells = [f"`{name}` = `{value}`", entry.reader, *got, str(code)]
         out.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     out.append(FIELDS_END)
     return "\n".join(out)
