@@ -181,6 +181,7 @@ def from_vllm(build: str, answer: Mapping[str, Any], how: str = "") -> Reading:
     if rec.get("load_error"):
         line = str(rec["load_error"])
         stage = "class" if _unregistered(line) else "load"
+        line = line.split(" Supported architectures:", 1)[0]  # vLLM lists every architecture it has after it
         return Reading(build, None, Refusal(line, f"vLLM {version}: {SRC_LOAD}", stage), None, **common)
     if rec.get("model_error"):
         line = str(rec["model_error"])
