@@ -8,6 +8,7 @@ tree work on a cheap `git clone --shared` of it. Patches used by the tests are w
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -148,12 +149,22 @@ def checkout_requiring(root: Path, profiles: Mapping[str, Mapping[str, object]])
 
 
 _AHEAD: list[subprocess.Popen[bytes]] = []
+AHEAD_PID = "train-ahead.pid"  # in the cache's logs/: which process trains, for the run that started it to stop
+
+
+def _worker_id(config: pytest.Config) -> str | None:
+    """This process's pytest-xdist worker id (gw0, gw1, ...), or None in the controller or a run without xdist."""
+    worker_input = getattr(config, "workerinput", None)
+    return None if worker_input is None else str(worker_input["workerid"])
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start training the miniature now if a selected test needs it (a cached one is found at once): the training is
-    single-threaded, and the tests before the miniature's leave the second core mostly idle."""
+    single-threaded and overlaps the tests before the miniature's. Under pytest-xdist every worker collects every
+    test; only the first starts the training, and the run's controller stops it (pytest_sessionfinish)."""
     if session.config.option.collectonly or not any(i.get_closest_marker("miniature") for i in session.items):
+        return
+    if _worker_id(session.config) not in (None, "gw0"):
         return
     from vllm_dflash.fetch import cache_dir
 
@@ -162,16 +173,48 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     argv = [sys.executable, str(REPO / "tests" / "train_ahead.py")]
     print(f"\n+ {' '.join(argv)} &  (the miniature, in the background; log: {log})", flush=True)
     with log.open("wb") as out:
-        _AHEAD.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    if _worker_id(session.config) is None:
+        _AHEAD.append(proc)
+    else:  # a worker ends when it runs out of files, maybe before the miniature's tests on another worker do
+        (log.parent / AHEAD_PID).write_text(f"{proc.pid} {_start_time(proc.pid)}")
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks (/proc/PID/stat field 22): with the pid, it names one process, never a
+    later one that reused the pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """A run that ends before the miniature's tests (-x, Ctrl-C) stops the training (it leaves nothing half-written:
-    train.py renames its output into place only when complete)."""
+    train.py renames its output into place only when complete). Under pytest-xdist the controller does it, once every
+    worker has finished."""
     for p in _AHEAD:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGTERM)
             p.wait()
+    if not _xdist_controller(session.config):
+        return
+    from vllm_dflash.fetch import cache_dir
+
+    record = cache_dir() / "logs" / AHEAD_PID
+    try:
+        pid, started = record.read_text().split()
+    except (OSError, ValueError):
+        return
+    record.unlink(missing_ok=True)
+    if _start_time(int(pid)) == started:  # still the training this run started
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(int(pid), signal.SIGTERM)
+
+
+def _xdist_controller(config: pytest.Config) -> bool:
+    """Whether this process is a pytest-xdist controller (it hands out the tests and runs none itself)."""
+    return config.pluginmanager.hasplugin("dsession")
 
 
 @pytest.fixture(scope="session")

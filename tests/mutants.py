@@ -36,6 +36,9 @@ TESTS_FOR: dict[str, list[str]] = {
     "vllm_dflash/doctor/sides.py": ["tests/test_doctor_sides.py"],
     "vllm_dflash/doctor/fields.py": ["tests/test_doctor_sides.py"],
     "vllm_dflash/proc.py": ["tests/test_proc.py"],
+    "vllm_dflash/upstream/ablation.py": ["tests/test_ablation.py"],
+    "vllm_dflash/upstream/matrix.py": ["tests/test_pins.py"],
+    "vllm_dflash/conformance/cases.py": ["tests/test_ablation.py", "tests/test_conformance.py"],
 }
 R, V, W, S, IX, P, M = (
     "vllm_dflash/report.py",
@@ -206,6 +209,27 @@ MUTANTS: list[tuple[str, str, str]] = [
     (K, "        want = int(bound) if keeps else max(int(bound) - block, 0)", "        want = int(bound)"),
     (K, "    keeps = build in PASSING_BUILDS and C.FIX_PREFIX_BLOCK in fixed", "    keeps = build in PASSING_BUILDS"),
     (K, "    if not any(int(b) >= 2 * block for b in bounds.values()):", "    if False:"),
+    # issue 40: "needed" by ablation -- the run of the queue without the patch decides, cached by its inputs
+    (
+        "vllm_dflash/upstream/ablation.py",
+        "    if failed:\n        return NEEDED",
+        "    if False:\n        return NEEDED",
+    ),
+    ("vllm_dflash/upstream/ablation.py", "    if any(o.unproven for o in outcomes):", "    if False:"),
+    ("vllm_dflash/upstream/ablation.py", "        if result.is_file():", "        if False:"),
+    ("vllm_dflash/upstream/ablation.py", '        "fixes": sorted(fixed),\n', ""),
+    (
+        "vllm_dflash/upstream/matrix.py",
+        "        if ab.verdict == NEEDED:",
+        "        if ab.verdict in (NEEDED, NOT_NEEDED):",
+    ),
+    ("vllm_dflash/upstream/matrix.py", "        if ab is None:", "        if False:"),
+    ("vllm_dflash/conformance/cases.py", "    if judges_prefix_block(spec):", "    if spec.prefix_caching:"),
+    (
+        "vllm_dflash/conformance/cases.py",
+        "            best = min(having, key=lambda s: len(exercises(s)))",
+        "            best = having[-1]",
+    ),
     # issue 42: the doctor's last tracebacks and a child's trace inside a one-line error
     (
         "vllm_dflash/doctor/checkpoint.py",

@@ -83,3 +83,22 @@ def test_junit_and_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert B.main(["--ingest", str(empty)]) == 2
     assert B.main(["--ingest", str(tmp_path / "missing.log")]) == 2
     assert B.main([]) == 2
+
+
+def test_the_tier_goal_is_judged_on_wall_time_under_xdist(tmp_path: Path) -> None:
+    """Two xdist workers: the tests' durations add up to 1800 s, the session took 1500 s of wall time; the goal is
+    the wall time (the sum only where the log has none)."""
+    end = "===== 7 passed, 1 xfailed in 1500.25s (0:25:00) =====\n"
+    log = "created: 2/2 workers\n2 workers [7 items]\n" + LOG + end
+    assert B.wall_from_text(log) == 1500.25 and B.workers_from_text(log) == 2
+    assert B.wall_from_text(LOG) is None and B.workers_from_text(LOG) == 1
+    table = B.by_part(B.durations_from_text(log))
+    shown = B.render(table, "cold full tier", None, None, B.wall_from_text(log), 2)
+    assert "30.0 min of tests, 25.0 min wall on 2 worker(s)" in shown
+    assert "| full tier from an empty cache on 2 cores | 2700 s | 1500 s | yes |" in shown
+    over = B.render(table, "cold full tier", None, None, 2701.0, 2)
+    assert "| 2701 s | NO |" in over  # the wall time is judged, not the (here smaller) sum
+    xml = tmp_path / "r.xml"
+    xml.write_text('<testsuites><testsuite time="99.5"><testcase classname="tests.test_a" name="t" time="1"/>'
+                   "</testsuite></testsuites>")  # fmt: skip
+    assert B.wall_from_junit(xml) == 99.5

@@ -83,6 +83,8 @@ def synthetic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, manifest: Manifes
             f"builds/wheels/{build}",
             "builds/source-0.20.1",
             f"mini/{mini_key(envs.venv_python(root / 'envs' / f'{ref.name}-{ref.key}'))}",
+            # the hybrid miniature, which profile mini-cpu-hybrid serves (mini.host.PROMPT_SETS)
+            f"mini/{mini_key(envs.venv_python(root / 'envs' / f'{ref.name}-{ref.key}'), kind='hybrid')}",
             f"conformance/cases/{case_dir(C.CASES[0], Path('.')).name}",
         ],
         "gone": [
@@ -107,6 +109,8 @@ def synthetic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, manifest: Manifes
                 _entry(root, rel)
     (root / "logs").mkdir()
     (root / "logs" / "train-ahead.log").write_text("log\n")
+    (root / "conformance" / "ablations").mkdir(parents=True)
+    (root / "conformance" / "ablations" / "0123456789abcdef.json").write_text("{}")
     yield root, names
 
 
@@ -123,6 +127,9 @@ def test_survey_judges_every_kind(synthetic: Synthetic, manifest: Manifest) -> N
     assert {got[r].kind for r in names["unknown"]} == {"other"}
     assert got[names["live"][0]].verdict == cache.IN_USE  # this process writes it
     assert got["logs"].verdict == cache.NOT_JUDGED
+    # The pin matrix's ablation verdicts: the tool's own, kept whole (never "not a name the tool makes").
+    ablations = got["conformance/ablations"]
+    assert (ablations.verdict, ablations.kind) == (cache.NOT_JUDGED, "conformance")
     assert all(got[r].reached_by for r in names["kept"])  # each names what reaches it
     assert "pin 0.20.1 build cpu-dflash" in got[names["kept"][4]].reached_by[0]
     assert got[names["kept"][0]].size > 0

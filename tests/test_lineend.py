@@ -75,6 +75,7 @@ def test_y_is_the_first_release_whose_v2_runner_serves_the_kind() -> None:
     assert ways[L.MIXED].since == "0.26.0" and ways[L.MIXED].default_from == "0.29.0"
     assert f"with {L.FLAG}; from 0.29.0 V2 is the default" in ways[L.MIXED].text()
     assert end.scanned == ("0.25.1", "0.26.0", "0.29.0", "0.34.0")
+    assert "stay on a pin before 0.34.0, or leave them" in end.lines()[-1]  # the line's end, computed too
     # The negative control: the same releases against a tree that still has V1 give no line-end verdict.
     assert L.line_end(manifest_stub(), "0.33.0", tree(v1_tree()), readers=releases()) is None
 
@@ -93,6 +94,18 @@ def test_y_moves_when_the_code_does() -> None:
     none = {"0.25.1": rel["0.25.1"]}
     bare = L.line_end(manifest_stub(), "0.34.0", tree(v2_only()), L.MIXED, readers=none)
     assert bare is not None and bare.since is None and "no V2 release pinned" in bare.verdict()
+
+
+def test_the_line_end_among_the_known_releases_is_the_first_without_v1() -> None:
+    """What the pin matrix prints: the first known release whose own tree has no V1, and the ways out read from the
+    older ones; every release still on V1 (the negative control) gives nothing."""
+    rel = releases()
+    rel["0.34.0"] = tree(v2_only(**{L.V2_DFLASH: V2_OK, L.DRAFTER_MODEL: WINDOWS}))
+    rel["0.35.0"] = tree(v2_only(**{L.V2_DFLASH: V2_OK, L.DRAFTER_MODEL: WINDOWS}))
+    end = L.known_line_end(manifest_stub(), rel)
+    assert end is not None and end.version == "0.34.0" and end.scanned == ("0.25.1", "0.26.0", "0.29.0", "0.34.0")
+    assert {w.kind: w.since for w in end.ways} == {L.FULL: "0.26.0", L.SLIDING: "0.26.0", L.MIXED: "0.26.0"}
+    assert L.known_line_end(manifest_stub(), releases()) is None
 
 
 S, F = "sliding_attention", "full_attention"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -236,6 +237,45 @@ def test_full_attention_emulation_sees_the_whole_context(ref_python: Path) -> No
     assert got["old full-attention"]["err"] > 1e-2, got
 
 
+def test_each_miniature_is_keyed_by_what_trains_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hybrid miniature trains with train.py's code plus train_hybrid.py: a change to train_hybrid.py retrains it
+    alone, a change to train.py or corpus.py both (the Qwen3 miniature's key never hashes train_hybrid.py)."""
+    ref = tmp_path / "envs" / "dflash-ref-abc" / "bin" / "python"
+    copies = {}
+    for src in (*host.TRAINING_SOURCES, host.KINDS["hybrid"][1][0]):
+        copies[src.name] = tmp_path / src.name
+        copies[src.name].write_bytes(src.read_bytes())
+    monkeypatch.setattr(host, "TRAINING_SOURCES", (copies["train.py"], copies["corpus.py"]))
+    monkeypatch.setitem(host.KINDS, "hybrid", (host.KINDS["hybrid"][0], (copies["train_hybrid.py"],)))
+    keys = {kind: host.mini_key(ref, kind=kind) for kind in host.KINDS}
+    assert keys["qwen3"] != keys["hybrid"]
+    for name, moves in (
+        ("train_hybrid.py", {"hybrid"}),
+        ("train.py", {"qwen3", "hybrid"}),
+        ("corpus.py", {"qwen3", "hybrid"}),
+    ):
+        before = copies[name].read_bytes()
+        copies[name].write_bytes(before + b"\n# changed\n")
+        now = {kind: host.mini_key(ref, kind=kind) for kind in host.KINDS}
+        assert {k for k in keys if now[k] != keys[k]} == moves, name
+        copies[name].write_bytes(before)
+    assert {kind: host.mini_key(ref, kind=kind) for kind in host.KINDS} == keys
+
+
+def test_a_cpu_builds_profile_names_a_miniature_by_its_prompts(manifest: Manifest) -> None:
+    """`@mini` serves the Qwen3 miniature, `@mini-hybrid` the hybrid one, each with its own target and drafter
+    placeholders; any other prompt set is refused in one line."""
+    assert miniature.MINIATURES == {"@mini": "qwen3", "@mini-hybrid": "hybrid"}
+    assert set(miniature.MINIATURES.values()) == set(host.KINDS)
+    hybrid = manifest.profiles["mini-cpu-hybrid"]
+    assert miniature.miniature_of(hybrid) == "@mini-hybrid"
+    miniature._check_profile(hybrid, {"num_speculative_tokens": 7})
+    with pytest.raises(ManifestError, match="its target must be '@mini-hybrid/target'"):
+        miniature._check_profile(replace(hybrid, target="@mini/target"), {"num_speculative_tokens": 7})
+    with pytest.raises(ManifestError, match="its prompts must name a miniature, not 'mixed'"):
+        miniature.miniature_of(replace(hybrid, prompts="mixed"))
+
+
 def test_reference_loop_cache_key_covers_every_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sources = []
     for src in host.REFLOOP_SOURCES:
@@ -243,7 +283,7 @@ def test_reference_loop_cache_key_covers_every_source(tmp_path: Path, monkeypatc
         copy.write_bytes(src.read_bytes())
         sources.append(copy)
     monkeypatch.setattr(host, "REFLOOP_SOURCES", tuple(sources))
-    assert {s.name for s in sources} == {"refloop.py", "host.py"}
+    assert {s.name for s in sources} == {"refloop.py", "reference.py", "host.py"}  # the loop, its loading, its job
     models, job = tmp_path / "abc123", {"semantics": ["reference"], "prompts": 32, "max_tokens": 96}
     key = host.refloop_key(models, job)
     assert host.refloop_key(models, dict(job)) == key  # the same inputs: the same key (the cache is reused)

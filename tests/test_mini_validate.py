@@ -208,3 +208,58 @@ def test_served_as_users_serve_batch_chunks_prefix_cache(serving: Run) -> None:
     base = serving.report["baseline"]
     assert base["tokens_per_s"] > 0 and base["lossless_match_rate"] >= 0.98
     assert "ours vs no speculation, same settings: " in serving.stdout
+
+
+# ---- the user's target family (issue 38): the hybrid miniature ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _validate(tmp_path_factory.mktemp("mini-hybrid"), profile="mini-cpu-hybrid")
+
+
+def test_hybrid_target_served_as_users_serve(hybrid: Run) -> None:
+    """The hybrid miniature (a Qwen3.5/3.6-shaped target, GDN + full attention 3 : 1, and a 4 sliding + 1 full
+    drafter tapping both kinds) through real `vllm serve`: a batch of 8, chunked prefill, prefix caching with hits
+    (Mamba cache mode 'align', patches/cpu/0009). Ours drafts what the reference loop drafts (AL >= 0.95x), stock at the
+    same settings fails the reference gate, both stay lossless."""
+    assert hybrid.code == 0, (hybrid.stdout[-3000:], hybrid.stderr[-3000:])
+    r = hybrid.report
+    n = r["prompts"]["count"]
+    assert n == 64 and r["sampling"]["concurrency"] == 8 and r["reference"]["rounds"] == 2
+    ours = r["acceptance"]["mean_acceptance_length"]
+    ref = r["reference"]["acceptance_length"]
+    stock = r["comparisons"]["stock"]["acceptance"]["mean_acceptance_length"]
+    print(f"hybrid miniature: ours {ours:.3f}, reference loop {ref:.3f}, stock {stock:.3f}")
+    assert ours > 2 and ours >= 0.95 * ref, (ours, ref)
+    assert stock < 0.95 * ref and stock < ours - 1, (stock, ours)
+    gates = {g["gate"]: g["passed"] for g in r["gates"]}
+    assert gates.pop("mismatches_are_near_ties", True), r.get("mismatch_analysis")
+    assert gates == {
+        "min_acceptance_length": True,
+        "reference_acceptance_length": True,
+        "draft_fill": True,
+        "min_match_rate": True,
+        "prefix_cache_hits": True,
+    }
+    lossless = r["lossless_vs_reference"]
+    assert lossless["matches"] >= 0.98 * n and len(lossless["mismatches"]) == n - lossless["matches"]
+    # Not asserted, printed: stock at these settings also leaves the target's greedy output on prefix-cache hits
+    # (measured 2026-12-06: 46/64, every mismatch a second-round request, none a near-tie; docs/validation.md).
+    print(f"stock lossless: {r['comparisons']['stock']['lossless_vs_reference']['matches']}/{n}")
+    assert r["counters"]["delta"]["prefix_cache_hits"] > 0
+    assert r["comparisons"]["stock"]["counters"]["prefix_cache_hits"] > 0
+    line = next(x for x in hybrid.stdout.splitlines() if x.startswith("serving conditions: "))
+    assert "8 concurrent requests" in line and "chunked prefill: " in line and "prefix caching" in line, line
+    # The server's own count at the end of the longest prompt (patch 0005): the target's GDN state groups, the
+    # sliding drafter groups holding their window, the full groups the whole context.
+    kv = r["kv_blocks_longest_prompt"]
+    assert any(g["spec"] == "MambaSpec" for g in kv["groups"]), kv
+    sliding = [g for g in kv["groups"] if g["drafter_layers"] and g["window"]]
+    assert sliding and all(g["held"] < g["context_blocks"] for g in sliding), kv
+    full = [g for g in kv["groups"] if g["spec"] == "FullAttentionSpec"]
+    assert full and all(g["held"] >= g["context_blocks"] for g in full), kv
+    logs = "\n".join(p.read_text(errors="replace") for p in hybrid.logs.glob("*.log"))
+    assert "Qwen3_5ForConditionalGeneration" in logs and "Mamba cache mode is set to 'align'" in logs
+    drafter = next(x for x in logs.splitlines() if "DFlash drafter attention:" in x)
+    assert "layer 3: sliding_attention" in drafter and "layer 4: full_attention" in drafter, drafter

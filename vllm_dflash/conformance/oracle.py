@@ -4,7 +4,9 @@ Runs inside the dflash reference environment (see `reference_spec`):
 `python -m vllm_dflash.conformance.oracle '{"jobs": [[CASE_DIR, TRACE.jsonl, METRICS.json]], ...}'`
 reads the vLLM side's per-step trace and recomputes every drafter proposal from scratch:
 
-1. target forward (HF `Qwen3ForCausalLM`, fp32) over the step's context `token_ids[:context_len]`;
+1. target forward (fp32, the transformers class its config.json names: `Qwen3ForCausalLM`, or for a hybrid target
+   `Qwen3_5ForConditionalGeneration` with its torch Gated DeltaNet path) over the step's context
+   `token_ids[:context_len]`;
 2. taps with the reference's own `extract_context_feature` (it takes `hidden_states[L + 1]`, "output of layer L");
 3. the reference's own `DFlashDraftModel` over the block [bonus, mask x k] at positions context_len.., with each
    layer's (window, causal) set to the case's `attention` (vllm-dflash's reading of the config, README "Drafter config
@@ -34,6 +36,7 @@ The host side (vllm_dflash.envs creates the environment, compare.py calls this m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -44,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dflash.conformance import cases as C
+from vllm_dflash.conformance.reference import decoder_layers, has_linear_layers, linear_state_rollback, load_target
 
 MAIN = "oracle"
 VARIANTS: tuple[str, ...] = (
@@ -106,11 +110,12 @@ class ReferenceOracle:
         import torch
         from dflash.model import DFlashDraftModel
         from safetensors import safe_open
-        from transformers import Qwen3ForCausalLM
 
         self.case_dir = case_dir
         self.case = C.CaseFile.from_json((case_dir / "case.json").read_text())
-        self.target = Qwen3ForCausalLM.from_pretrained(case_dir / self.case.target, dtype=torch.float32).eval()
+        self.target = load_target(case_dir / self.case.target)
+        text = self.target.config.get_text_config()
+        self.vocab, self.hidden = int(text.vocab_size), int(text.hidden_size)
         drafter_dir = case_dir / self.case.drafter
         if (drafter_dir / "reference_config.json").is_file():
             # A speculators-format checkpoint: the reference loads the plain config it was made from.
@@ -131,7 +136,7 @@ class ReferenceOracle:
         weights = case_dir / self.case.drafter / "model.safetensors"
         with safe_open(str(weights), "pt") as fh:
             if "lm_head.weight" in fh.keys():
-                head = torch.nn.Linear(self.target.config.hidden_size, self.target.config.vocab_size, bias=False)
+                head = torch.nn.Linear(self.hidden, self.vocab, bias=False)
                 head.weight.data.copy_(fh.get_tensor("lm_head.weight"))
                 self.head = head
         # The reference's own reading of the config (its layer attributes) must be what cases.py says it is.
@@ -140,6 +145,7 @@ class ReferenceOracle:
         if literal and self._reference != literal:
             raise ValueError(f"{self.case.name}: the reference reads {self._reference}, cases.py says {literal}")
         self._case = [(w, bool(c)) for w, c in self.case.attention] or self._reference
+        self._copies: dict[Any, Any] = {}  # the target in other dtypes (hidden_states_in)
 
     # -- target ---------------------------------------------------------------------------------------------------
 
@@ -147,6 +153,19 @@ class ReferenceOracle:
         """HF hidden_states for `ids` with the last entry replaced by the PRE-norm residual stream after the last
         layer, plus that post-norm tensor appended as the final element (used only by `postnorm-last-tap`)."""
         return self.forward(ids)[0]
+
+    def hidden_states_in(self, ids: Sequence[int], dtype: Any) -> list[Any]:
+        """hidden_states() with the target computed in `dtype` (a copy of it), returned in fp32: how far the
+        reference's own precision moves what the drafter reads."""
+        import copy
+
+        if dtype not in self._copies:
+            self._copies[dtype] = copy.deepcopy(self.target).to(dtype)
+        saved, self.target = self.target, self._copies[dtype]
+        try:
+            return [h.float() for h in self.hidden_states(ids)]
+        finally:
+            self.target = saved
 
     def forward(self, ids: Sequence[int]) -> tuple[list[Any], Any]:
         """One from-scratch target forward over `ids`: hidden_states() and the [len(ids), vocab] logits."""
@@ -157,7 +176,7 @@ class ReferenceOracle:
         def hook(_mod: Any, _inp: Any, out: Any) -> None:
             captured.append(out[0] if isinstance(out, tuple) else out)
 
-        handle = self.target.model.layers[-1].register_forward_hook(hook)
+        handle = decoder_layers(self.target)[-1].register_forward_hook(hook)
         try:
             with torch.inference_mode():
                 out = self.target(torch.tensor([list(ids)]), output_hidden_states=True)
@@ -475,7 +494,7 @@ def evaluate(
             m.trace_problems.append(f"step {i} (request {req}, start {start}): " + "; ".join(problems))
             continue
         got = torch.tensor(rec["logits"], dtype=torch.float32)
-        if got.shape != (oracle.k, oracle.target.config.vocab_size):
+        if got.shape != (oracle.k, oracle.vocab):
             m.trace_consistent = False
             m.trace_problems.append(f"step {i}: logits shape {tuple(got.shape)}, expected ({oracle.k}, vocab)")
             continue
@@ -584,6 +603,15 @@ class SelfTest:
     # The reference's own loop cannot run this config (e.g. transformers' DynamicCache refuses a sliding layer type
     # without a window): the error, and the variants are then compared at the greedy sequence's first positions.
     loop_error: str = ""
+    # A hybrid target: the loop ran with its GDN states rolled back after a rejection (`linear_state_rollback`), and
+    # the same loop without it, as dflash 0.1.0 runs on transformers' cache: whether its output is still the target's
+    # greedy output, and the first output position where it is not.
+    linear_rollback: bool = False
+    unfixed_loop_is_greedy: bool | None = None
+    unfixed_first_divergence: int | None = None
+    # A hybrid target: the most the oracle's drafter logits move, over the compared steps, when the target's forward
+    # runs in fp64 instead of fp32 (the reference's own precision; cases.CPU_HYBRID_TOLERANCE stands above it).
+    fp64_drift: float | None = None
 
 
 def selftest(oracle: ReferenceOracle, max_new_tokens: int = 16) -> SelfTest:
@@ -613,10 +641,15 @@ def selftest(oracle: ReferenceOracle, max_new_tokens: int = 16) -> SelfTest:
     prompt = oracle.case.prompts[0]
     # Enough new tokens for several full blocks (the loop shortens its last blocks).
     max_new_tokens = max(max_new_tokens, 12 + spec.block_size)
+    hybrid = has_linear_layers(oracle.target)
+    unfixed: list[int] | None = None
+    if hybrid:  # dflash 0.1.0's loop as it runs on transformers' hybrid cache, for the record
+        unfixed = dflash_generate(drafter, oracle.target, torch.tensor([prompt]), max_new_tokens, None)[0].tolist()
     drafter.forward, drafter.compute_logits = forward, compute_logits
     loop_error = ""
     try:
-        ids = dflash_generate(drafter, oracle.target, torch.tensor([prompt]), max_new_tokens, None)[0].tolist()
+        with linear_state_rollback(oracle.target) if hybrid else contextlib.nullcontext():
+            ids = dflash_generate(drafter, oracle.target, torch.tensor([prompt]), max_new_tokens, None)[0].tolist()
     except (TypeError, ValueError) as exc:
         loop_error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -627,6 +660,12 @@ def selftest(oracle: ReferenceOracle, max_new_tokens: int = 16) -> SelfTest:
         calls = [(len(prompt) + j, None) for j in range(4)]
     greedy, _ = oracle.greedy(prompt, len(ids) - len(prompt))
     result = SelfTest(case=oracle.case.name, loop_is_greedy=ids[len(prompt) :] == greedy, loop_error=loop_error)
+    if unfixed is not None:
+        got = unfixed[len(prompt) :]
+        result.linear_rollback = True
+        result.unfixed_loop_is_greedy = got == greedy
+        pairs = enumerate(zip(got, greedy, strict=False))
+        result.unfixed_first_divergence = next((i for i, (a, b) in pairs if a != b), None)
     # Every variant that applies to the case (not only the listed negatives): e.g. `tap-input` on window-only
     # must come out ~0, which proves the identity target layer makes the tap shift invisible there.
     names = tuple(
@@ -645,6 +684,11 @@ def selftest(oracle: ReferenceOracle, max_new_tokens: int = 16) -> SelfTest:
             want = oracle.draft_logits(hs, start, ids[start], literal)
             result.max_abs_vs_loop = max(result.max_abs_vs_loop, float((logits - want).abs().max()))
         main = oracle.draft_logits(hs, start, ids[start], variant(MAIN))
+        if hybrid:
+            exact = oracle.draft_logits(
+                oracle.hidden_states_in(ids[:start], torch.float64), start, ids[start], variant(MAIN)
+            )
+            result.fp64_drift = max(result.fp64_drift or 0.0, float((exact - main).abs().max()))
         for name in names:
             other = oracle.draft_logits(hs, start, ids[start], variant(name))
             result.variant_max_abs[name] = max(result.variant_max_abs[name], float((other - main).abs().max()))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,12 @@ def build_target(spec: C.CaseSpec, out: Path) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    if spec.hybrid_target:
+        if spec.identity_target_layers or spec.zero_lm_head:
+            raise ValueError(f"{spec.name}: identity layers and a zeroed lm_head are built for Qwen3 targets only")
+        build_hybrid_target(out, spec.seed, spec.target_layer_types, C.HIDDEN)
+        return
+
     torch.manual_seed(spec.seed)
     gen = torch.Generator().manual_seed(spec.seed + 1)
     config = Qwen3Config(**_common_config(), num_hidden_layers=spec.target_layers, architectures=["Qwen3ForCausalLM"])
@@ -109,6 +116,84 @@ def build_target(spec: C.CaseSpec, out: Path) -> None:
             layer.mlp.down_proj.weight.zero_()
         if spec.zero_lm_head:
             model.lm_head.weight.zero_()
+    model.save_pretrained(out, safe_serialization=True)
+    build_tokenizer(out)
+
+
+def build_hybrid_target(
+    out: Path,
+    seed: int,
+    layer_types: Sequence[str],
+    hidden: int = 128,
+    linear_key_heads: int = 2,
+    linear_value_heads: int = 4,
+    head_dim: int = 32,
+    conv_kernel: int = 4,
+) -> None:
+    """A tiny random Qwen3_5ForConditionalGeneration (the architecture vLLM 0.20.1 serves Qwen3.6-27B as) with its
+    tokenizer in `out`: `layer_types` of Gated DeltaNet ("linear_attention") and gated full attention, a one-block
+    vision tower that text-only serving never builds, norms perturbed (zero-centred in Qwen3.5: 1 + weight, so noise
+    is added, not set around 1 as `_randomize_norms` does). The target of hybrid.py's target conformance and of the
+    cases with `hybrid_target` (bump cases.HYBRID_GENERATOR_VERSION when what it writes changes)."""
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    text = {
+        "vocab_size": C.VOCAB,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": len(layer_types),
+        "layer_types": list(layer_types),
+        "full_attention_interval": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": head_dim,
+        "linear_num_key_heads": linear_key_heads,
+        "linear_num_value_heads": linear_value_heads,
+        "linear_key_head_dim": head_dim,
+        "linear_value_head_dim": head_dim,
+        "linear_conv_kernel_dim": conv_kernel,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.1,  # logits O(1), as the other tiny models
+        "tie_word_embeddings": False,
+        # Qwen3.5's partial interleaved M-RoPE; text-only positions are the same on its three axes.
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        "bos_token_id": 256,
+        "eos_token_id": 256,
+        "pad_token_id": 256,
+    }
+    vision = {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": hidden,
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [],
+    }
+    config = Qwen3_5Config(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        image_token_id=300,
+        video_token_id=301,
+        vision_start_token_id=302,
+        vision_end_token_id=303,
+    )
+    model = Qwen3_5ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # norms start at 1 (or 0): perturb them so a wrong norm weight shows
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(out, safe_serialization=True)
     build_tokenizer(out)
 

@@ -407,6 +407,10 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
     )
     if case.get("kv_block_size"):
         llm_kwargs["block_size"] = int(case["kv_block_size"])
+    target_config = json.loads((case_dir / case.get("target", "target") / "config.json").read_text())
+    if "vision_config" in target_config:
+        # The prompts are text: a multimodal target (Qwen3.5/3.6's class) is served text-only, its tower never built.
+        llm_kwargs["limit_mm_per_prompt"] = {"image": 0, "video": 0}
     # A fixed cache on every device: on a GPU the default (0.9 of its memory) would leave nothing for the next case's
     # engine in this process. VLLM_CPU_KVCACHE_SPACE (legacy, whole GiB) overrides it on CPU.
     if not (device == "cpu" and os.environ.get("VLLM_CPU_KVCACHE_SPACE")):

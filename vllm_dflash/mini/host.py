@@ -29,9 +29,19 @@ from vllm_dflash.paths import ensure_dir
 _HERE = Path(__file__).resolve().parent
 # The source files whose change may change the trained models.
 TRAINING_SOURCES = (_HERE / "train.py", _HERE / "corpus.py")
-# The source files whose change may change the reference loop's result on given models: the loop itself and this
-# module (the job it is handed, the environment it runs in).
-REFLOOP_SOURCES = (_HERE / "refloop.py", Path(__file__).resolve())
+# The miniatures: a Qwen3 target (train.py), and the user's hybrid family (train_hybrid.py, which trains with
+# train.py's own code and adds its file to the key). Kind -> (training module, the sources it adds to the key).
+KINDS: dict[str, tuple[str, tuple[Path, ...]]] = {
+    "qwen3": ("vllm_dflash.mini.train", ()),
+    "hybrid": ("vllm_dflash.mini.train_hybrid", (_HERE / "train_hybrid.py",)),
+}
+# The placeholder prompt set a cpu-builds profile names, and the miniature it serves (validate/miniature.py): the
+# set's held-apart prompts, `<set>/target` and `<set>/drafter`.
+PROMPT_SETS = {"@mini": "qwen3", "@mini-hybrid": "hybrid"}
+# The source files whose change may change the reference loop's result on given models: the loop itself, how the
+# reference side loads a target and runs its loop (conformance/reference.py), and this module (the job it is
+# handed, the environment it runs in).
+REFLOOP_SOURCES = (_HERE / "refloop.py", _HERE.parent / "conformance" / "reference.py", Path(__file__).resolve())
 _BROKEN_ENV_HINT = "the reference environment is broken: delete it under the cache's envs/ and retry"
 
 
@@ -47,10 +57,12 @@ def _tokenizer_code() -> bytes:
     return "\n".join(parts).encode()
 
 
-def mini_key(ref_python: Path, config: Mapping[str, Any] | None = None) -> str:
-    """Cache key: the training code, the tokenizer code it reuses, the config overrides and the reference env."""
+def mini_key(ref_python: Path, config: Mapping[str, Any] | None = None, kind: str = "qwen3") -> str:
+    """Cache key: the training code, the tokenizer code it reuses, the config overrides and the reference env (and
+    for the hybrid miniature its own training module)."""
+    _, extra = KINDS[kind]
     h = hashlib.sha256()
-    for src in TRAINING_SOURCES:
+    for src in (*TRAINING_SOURCES, *extra):
         h.update(src.name.encode())
         h.update(src.read_bytes())
     h.update(_tokenizer_code())
@@ -81,23 +93,25 @@ def _environ() -> dict[str, str]:
     }
 
 
-def ensure_mini_models(ref_python: Path, config: Mapping[str, Any] | None = None) -> Path:
+def ensure_mini_models(ref_python: Path, config: Mapping[str, Any] | None = None, kind: str = "qwen3") -> Path:
     """The cached miniature model directory (target/, drafter/, prompts.jsonl, mini.json), trained on a miss.
 
-    `config` overrides train.DEFAULT_CONFIG (tests use it for a quick small build). Concurrent callers wait on a
-    lock; the directory appears only when complete (train.py renames it into place).
+    `config` overrides the training module's defaults (tests use it for a quick small build); `kind` is one of KINDS.
+    Concurrent callers wait on a lock; the directory appears only when complete (train.py renames it into place).
     """
+    module, _ = KINDS[kind]
     base = ensure_dir(cache_dir() / "mini", "miniature cache directory")
-    out = base / mini_key(ref_python, config)
+    out = base / mini_key(ref_python, config, kind)
     with (base / f".{out.name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / "mini.json").is_file():
             return out
-        print(f"training the DFlash miniature into {out} (a few minutes on 2 cores)", flush=True)
+        what = "the DFlash miniature" if kind == "qwen3" else f"the {kind} DFlash miniature"
+        print(f"training {what} into {out} (a few minutes on 2 cores)", flush=True)
         proc.call(
             ref_python,
             "-m",
-            "vllm_dflash.mini.train",
+            module,
             json.dumps({"out": str(out), "config": dict(config or {})}),
             env=_environ(),
             error=ConformanceError,

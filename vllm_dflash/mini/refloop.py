@@ -24,12 +24,17 @@ the drafter's cache is then a full cache for every layer too -- the reference's 
 context tokens of a sliding layer, so without it "full attention" would still see only the window);
 "stock" (both: what stock 0.20.1 computes).
 
+The target is loaded as the class its config.json names (conformance/reference.py `load_target`); on a hybrid target
+(the hybrid miniature: Gated DeltaNet layers) the loop runs under `linear_state_rollback`, without which dflash 0.1.0's
+loop keeps rejected drafts in the GDN recurrent state and is not the target's greedy output.
+
 Losslessness: every mode's output is compared with the target's plain greedy output (HF, one token at a time;
 "greedy": "recompute" runs a full forward per token instead of the KV cache) for every prompt.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
@@ -114,9 +119,10 @@ class Mini:
     def load(cls, models: Path) -> Mini:
         import torch
         from dflash.model import DFlashDraftModel
-        from transformers import Qwen3ForCausalLM
 
-        target = Qwen3ForCausalLM.from_pretrained(models / "target", dtype=torch.float32).eval()
+        from vllm_dflash.conformance.reference import load_target
+
+        target = load_target(models / "target")  # the class its config names (a Qwen3.5 hybrid too)
         drafter = DFlashDraftModel.from_pretrained(models / "drafter", dtype=torch.float32).eval()
         return cls(target, drafter)
 
@@ -160,13 +166,18 @@ class Mini:
         import dflash.model as dm
         import torch
 
+        from vllm_dflash.conformance.reference import has_linear_layers, linear_state_rollback
+
         # return_stats times with torch.cuda.synchronize(); on a CPU-only torch use a plain clock instead.
         cuda_time = dm._cuda_time
         dm._cuda_time = time.perf_counter
+        # On a hybrid target the loop's cache crop leaves rejected drafts in the GDN state: roll it back (see there).
+        exact = linear_state_rollback(self.target) if has_linear_layers(self.target) else contextlib.nullcontext()
         try:
-            out = dm.dflash_generate(
-                self.drafter, self.target, torch.tensor([prompt]), max_new_tokens, None, return_stats=True
-            )
+            with exact:
+                out = dm.dflash_generate(
+                    self.drafter, self.target, torch.tensor([prompt]), max_new_tokens, None, return_stats=True
+                )
         finally:
             dm._cuda_time = cuda_time
         return out.output_ids[0, len(prompt) :].tolist(), [int(x) for x in out.acceptance_lengths]

@@ -14,6 +14,7 @@ import os
 import platform
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +24,9 @@ from vllm_dflash.manifest import MACHINES, Manifest
 from vllm_dflash.paths import check_output_dir, ensure_dir, sweep_stale, temp_sibling
 from vllm_dflash.pipeline import fullbuild, source
 from vllm_dflash.pipeline.model import MODES, SOURCE_KINDS, VARIANTS, PatchedTree, WheelResult
-from vllm_dflash.pipeline.patches import apply_series
+from vllm_dflash.pipeline.patches import PatchCheck, apply_series, check_series
 from vllm_dflash.pipeline.wheel import build_fast_wheel, split_wheel_name
-from vllm_dflash.series import Queues
+from vllm_dflash.series import Patch, Queues
 
 BASES = ("upstream", "cpu")  # or a path to a wheel file
 
@@ -210,16 +211,43 @@ def cached_build(manifest: Manifest, queues: Queues, base: str, variant: str) ->
         tmp = temp_sibling(out)
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            options = BuildOptions(
-                source="sdist",
-                base=base,
-                platforms=(platform.machine(),),
-                variant=variant,
-                out_dir=tmp,
-                source_dest=cache / f"source-{manifest.upstream.version}",  # one private tree per pin
-            )
-            result = build(manifest, queues, options)
+            name = _private_build(manifest, queues, base, variant, tmp).name
             os.replace(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        return out / result.wheels[0].path.name
+        return out / name
+
+
+def scratch_build(manifest: Manifest, queues: Queues, base: str, variant: str, out_dir: Path) -> Path:
+    """This machine's wheel of a queue no pin holds (the pin matrix's ablations: a pin's queue without one patch),
+    built like `cached_build` (the pin's private source tree, under the same lock) into `out_dir`, which the caller
+    owns and removes: nothing of it stays in the wheel cache."""
+    if platform.machine() not in (manifest.cpu_wheels if base == "cpu" else manifest.wheels):
+        raise ManifestError(f"no {base} wheel pinned for {platform.machine()}", "add it to dist.toml [artifacts.*]")
+    with (ensure_dir(cache_dir() / "builds" / "wheels") / ".build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _private_build(manifest, queues, base, variant, out_dir)
+
+
+def check_on_private_tree(manifest: Manifest, patches: Sequence[Patch]) -> tuple[PatchCheck, ...]:
+    """Each of `patches`, in order, checked on the pin's private source tree (what `cached_build` builds from): does
+    it apply exactly on top of the earlier ones that do? The tree is only read (a throwaway index)."""
+    with (ensure_dir(cache_dir() / "builds" / "wheels") / ".build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with source.trees_lock():
+            dest = cache_dir() / "builds" / f"source-{manifest.upstream.version}"
+            tree = source.prepare_source(manifest, "sdist", dest, owned=True)
+            return check_series(tree.path, patches, ref=tree.base)
+
+
+def _private_build(manifest: Manifest, queues: Queues, base: str, variant: str, out_dir: Path) -> Path:
+    """One wheel from the pin's private source tree (builds/source-<pin>) into `out_dir`; the caller holds the lock."""
+    options = BuildOptions(
+        source="sdist",
+        base=base,
+        platforms=(platform.machine(),),
+        variant=variant,
+        out_dir=out_dir,
+        source_dest=cache_dir() / "builds" / f"source-{manifest.upstream.version}",  # one private tree per pin
+    )
+    return build(manifest, queues, options).wheels[0].path

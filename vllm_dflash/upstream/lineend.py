@@ -180,12 +180,16 @@ class LineEnd:
         served = f"is served by V2 from {y}" if y else "is served by no V2 release pinned in dist.toml"
         return f"V1 removed in {self.version}; {what} {served}"
 
+    def stay(self) -> str:
+        """Where a user may stay: a pin older than the release without V1 (a git ref names no release)."""
+        return f"before {self.version}" if self.version[:1].isdigit() else "of a release that still has V1"
+
     def lines(self) -> list[str]:
         out = [self.verdict(), f"  V1 gone: {'; '.join(self.evidence)}"]
         out += [f"  {w.text()}" for w in self.ways if self.drafter is None or w.kind == self.drafter]
         out.append(f"  from the sources of {', '.join(self.scanned)} (dist.toml [releases] and pins)")
         out.append(
-            "  our patches are for Model Runner V1: stay on a pin up to 0.33.x, or leave them (docs/upstream.md, "
+            f"  our patches are for Model Runner V1: stay on a pin {self.stay()}, or leave them (docs/upstream.md, "
             "'Leaving the patches')"
         )
         return out
@@ -268,3 +272,20 @@ def line_end(
         servings.append(serving(version, read))
     scanned = tuple(s.version for s in sorted(servings, key=lambda s: Version(s.version)))
     return LineEnd(name, evidence, ways(servings), scanned, drafter)
+
+
+def known_line_end(manifest: Manifest, readers: Mapping[str, Reader] | None = None) -> LineEnd | None:
+    """The end of the V1 line among the releases this checkout pins (dist.toml [releases], the pins, [upstream]): the
+    verdict for the first one whose own tree has no V1, from the older ones' sources (None when every one has V1).
+    What the pin matrix prints beside its table. `readers` (tests) replaces the pinned sdists."""
+    if readers is None:
+        from vllm_dflash.fetch import fetch
+
+        known = sorted(known_releases(manifest).items(), key=lambda i: Version(i[0]))
+        readers = {v: sdist_reader(fetch(r.sdist), r) for v, r in known}
+    ordered = sorted(readers, key=Version)
+    first = next((v for v in ordered if removal(readers[v])), None)
+    if first is None:
+        return None
+    older = {v: readers[v] for v in ordered if Version(v) < Version(first)}
+    return line_end(manifest, first, readers[first], readers=older)

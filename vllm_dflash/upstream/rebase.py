@@ -214,7 +214,7 @@ def rebase(
     if end is not None:  # every patch is for Model Runner V1: there is nothing to rebase onto
         raise V1RemovedError(
             f"rebase --to {version} stopped, nothing changed: {end.verdict()} ({'; '.join(end.evidence)})",
-            f"stay on a pin up to 0.33.x, or leave the patches: {'; '.join(w.text() for w in end.ways)} "
+            f"stay on a pin {end.stay()}, or leave the patches: {'; '.join(w.text() for w in end.ways)} "
             "(docs/upstream.md)",
         )
     unknown = [n for n in retire if n not in {p.name for p in queue}]

