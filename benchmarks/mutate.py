@@ -50,7 +50,21 @@ PROOF: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vllm_dflash/validate/metrics.py", ()),
     (
         "vllm_dflash/conformance/compare.py",
-        ("judge", "serving_problems", "judge_refusal", "judge_unproven", "run_verdict", "_unverified"),
+        (
+            "judge",
+            "serving_problems",
+            "judge_refusal",
+            "judge_unproven",
+            "run_verdict",
+            "_unverified",
+            # the eviction proof's judges (issue 38)
+            "_evicted",
+            "kv_problems",
+            "kv_geometry_problems",
+            "_held_bytes",
+            "kv_claim_problems",
+            "judge_kv_claims",
+        ),
     ),
     ("tests/conformance_plugin/vllm_dflash_conformance_plugin/recorder.py", ()),
     ("vllm_dflash/publish.py", ()),

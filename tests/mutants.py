@@ -203,6 +203,22 @@ MUTANTS: list[tuple[str, str, str]] = [
     (K, '            cap = (int(g["window"]) - 1 + 2 * k) // int(g["block_size"]) + 2', "            cap = 10**9"),
     (K, "    if spec.min_prefill_chunks and not any(", "    if False and not any("),
     (K, "    if spec.prefix_caching and not any(", "    if False and not any("),
+    # conformance/compare.py: the KV-cache groups' geometry and the memory claims, patched vs full-kv (issue 38)
+    (K, "    reasons += kv_geometry_problems(spec, build, metrics)\n", ""),
+    (K, "    if drafter != target:\n        out = [", "    if False:\n        out = ["),
+    (K, '            if block and int(g["block_size"]) != block', "            if False"),
+    (
+        K,
+        '    alone = [g for g in groups if not g.get("window") and int(g["layers"]) == int(g["drafter_layers"])]',
+        "    alone = []",
+    ),
+    (K, '    if int(full.get("kv_reused", 0)) != 0:', "    if False:"),
+    (K, '    if spec.kv_cache_bytes and int(windowed.get("kv_reused", 0)) <= 0:', "    if False:"),
+    (K, '        if peak > int(layout["bytes_per_request"]):', "        if False:"),
+    (K, "        if theirs and _held_bytes(rows[-1], lw) >= _held_bytes(theirs[-1], lf):", "        if False:"),
+    (K, '    if int(lw["bytes_per_request"]) >= int(lf["bytes_per_request"]):', "    if False:"),
+    (K, '    if float(lw["max_concurrency"]) <= float(lf["max_concurrency"]):', "    if False:"),
+    (K, "        if found:\n            out[out.index(mine)]", "        if False:\n            out[out.index(mine)]"),
     # conformance/compare.py: a new run never prunes a run another process holds (found by a CI run losing its traces)
     (K, "        if not _in_use(stale):\n", "        if True:\n"),
     # conformance/compare.py: prefix_problems, patch 0006's judge (issue 40)

@@ -844,6 +844,7 @@ def test_eviction_cases_cover_each_condition_and_run_far_past_the_window() -> No
         "evict-prefix",
         "evict-tp2",
         "evict-non-causal",  # the symmetric windows of a non-causal drafter, on the CPU queue's torch path
+        "evict-geometry",  # a drafter of another head geometry, the same KV bytes per token as its target
     }
     assert all(c.name.startswith("evict") for c in qwen3) and not any("evict" in c.name for c in C.CASES if not c.evict)
     # On the hybrid target eviction is one condition of hybrid-batched (vLLM's KV block is 48 tokens there, grown to
@@ -859,7 +860,16 @@ def test_eviction_cases_cover_each_condition_and_run_far_past_the_window() -> No
             assert min(c.prompt_lengths) // c.kv_block_size >= 4, c.name
         assert c.has_sliding and C.FULL in c.layer_types  # a drafter in two KV-cache groups
         assert (C.FULL_KV in c.builds) == (c.tensor_parallel_size == 1), c.name
+        # vLLM reserves for max_model_len, a sliding layer for its window plus one prefill chunk: the context must be
+        # long against both, as at the user's 128K, for the windowed layout to reserve less (kv_claim_problems).
+        budget = c.max_num_batched_tokens or max(c.prompt_lengths)
+        if C.FULL_KV in c.builds:  # judged against the full-kv control
+            assert kept + budget <= c.max_model_len // 4, c.name
+        assert max(c.prompt_lengths) + c.max_tokens <= c.max_model_len, c.name
     by = {c.name: c for c in EVICT}
+    geometry = by["evict-geometry"]
+    drafter, target = geometry.kv_elements_per_token
+    assert drafter == target and geometry.drafter_head_dim not in (None, C.HEAD_DIM)  # same bytes, other geometry
     assert by["evict-batched"].batched and by["evict-batched"].max_num_seqs == len(by["evict-batched"].prompt_lengths)
     assert by["evict-batched"].kv_cache_bytes is not None  # small enough that freed blocks are handed out again
     chunked = by["evict-chunked"]
@@ -924,6 +934,14 @@ def test_eviction_checks_fail_without_eviction_and_pass_on_a_plateau() -> None:
         "no drafter layer"
     )
     assert "no KV-cache block records" in compare.kv_problems(long, "patched", {"k": 3})[0]
+    layout_only = {"kv_layout": WINDOWED, "kv_blocks": {}, "k": 3}  # a layout, but no allocation was recorded
+    assert "no KV-cache block records" in compare.kv_problems(long, "patched", layout_only)[0]
+    # exactly the window's cap (W + k - 1 + 2k tokens: 3 blocks of 16) at a decode step is allowed, one more is not
+    at_cap = [*PLATEAU[:-1], [174, 177, 12, 12, 3]]
+    assert compare.kv_problems(long, "patched", _kv_metrics(WINDOWED, at_cap)) == []
+    # a request the case lists no prompt for counts as decoding from its first token (no prefill to excuse)
+    unknown = compare.kv_problems(long, "patched", {**_kv_metrics(WINDOWED, PLATEAU), "kv_blocks": {"1": PLATEAU}})
+    assert unknown == ["request 1: sliding group 2 holds 10 blocks at 150 tokens, more than its window allows (3)"]
     # the full-kv control: every group with drafter layers holds the whole context, no sliding drafter group
     full = _kv_layout((0, None, 7, 3))
     whole = [[150, 150, 10], [174, 177, 12]]
@@ -944,6 +962,9 @@ def test_eviction_checks_fail_without_eviction_and_pass_on_a_plateau() -> None:
     assert compare.kv_problems(chunked, "patched", _kv_metrics(WINDOWED, chunks, prompt_lengths=[137])) == []
     late = [[22, 22, 2, 2, 2], [137, 137, 9, 9, 9], [141, 144, 9, 9, 2]]
     got = compare.kv_problems(chunked, "patched", _kv_metrics(WINDOWED, late, prompt_lengths=[137]))
+    assert got == ["no block was freed before a prefill ended: the chunks never crossed an eviction"]
+    at_end = [[22, 22, 2, 2, 2], [137, 137, 9, 9, 3], [141, 144, 9, 9, 2]]  # freed only by the prefill's last step
+    got = compare.kv_problems(chunked, "patched", _kv_metrics(WINDOWED, at_end, prompt_lengths=[137]))
     assert got == ["no block was freed before a prefill ended: the chunks never crossed an eviction"]
     # prefix caching: a hit must leave the blocks outside the window out (null blocks)
     hit = [[100, 100, 7, 7, 3], [104, 107, 7, 7, 2]]
@@ -968,6 +989,122 @@ def test_full_kv_control_must_pass_like_the_patched_build() -> None:
     windowed = compare.judge(long, "patched", {**_metrics(long, 5e-6), **_kv_metrics(WINDOWED, PLATEAU)}, tol)
     assert windowed.as_expected and compare.kv_cell(windowed) == "g1 full 12/12; g2 sliding 11 2/12"
     assert windowed.kv_series[-1] == (174, 177, 12, 2) and windowed.kv_bytes_per_request == 1 << 20
+    # the same eviction, but the drafter's full layer in a block table of its own: the judge fails it
+    alone = _kv_layout((0, None, 4, 0), (1, 11, 2, 2), (2, None, 1, 1))
+    rows = [[r[0], r[1], r[2], r[4], r[3]] for r in PLATEAU]
+    split = compare.judge(long, "patched", {**_metrics(long, 5e-6), **_kv_metrics(alone, rows)}, tol)
+    assert not split.as_expected and split.reasons == (
+        "the drafter's full layer(s) hold a block table of their own (group 2), apart from the target's",
+    )
+
+
+def test_geometry_checks_the_join_and_the_fallback_from_the_layout() -> None:
+    """Equal KV bytes per token: the drafter's full layer shares a block table with target layers (a group of its own
+    is what split Qwen3.6-27B into 69); other bytes: no sliding drafter group and every group at the case's block
+    size (the design before issue 38 grew the target's blocks to 32 tokens)."""
+    long, geometry, differ = (C.get_cases([n])[0] for n in ("evict-long", "evict-geometry", "kv-bytes-differ"))
+    assert geometry.kv_elements_per_token[0] == geometry.kv_elements_per_token[1] != differ.kv_elements_per_token[0]
+    alone = _kv_layout((0, None, 4, 0), (1, 11, 2, 2), (2, None, 1, 1))
+    for spec in (long, geometry):
+        assert compare.kv_geometry_problems(spec, "patched", {"kv_layout": WINDOWED}) == []
+        assert compare.kv_geometry_problems(spec, "patched", {"kv_layout": alone}) == [
+            "the drafter's full layer(s) hold a block table of their own (group 2), apart from the target's"
+        ]
+        # other builds, no layout, a drafter without sliding layers or in the speculators format: not judged here
+        assert compare.kv_geometry_problems(spec, C.FULL_KV, {"kv_layout": alone}) == []
+        assert compare.kv_geometry_problems(spec, "stock", {"kv_layout": alone}) == []
+        assert compare.kv_geometry_problems(spec, "patched", {}) == []
+    full = C.get_cases(["full"])[0]
+    assert not full.has_sliding and compare.kv_geometry_problems(full, "patched", {"kv_layout": alone}) == []
+    speculators = dataclasses.replace(long, ids_spelling="speculators")  # keeps one group: not judged here
+    assert compare.kv_geometry_problems(speculators, "patched", {"kv_layout": alone}) == []
+    # other bytes per token: every drafter layer whole, every block the case's (16)
+    whole = _kv_layout((0, None, 7, 3))
+    assert compare.kv_geometry_problems(differ, "patched", {"kv_layout": whole}) == []
+    grown = {**whole, "groups": [{**whole["groups"][0], "block_size": 32}]}
+    assert compare.kv_geometry_problems(differ, "patched", {"kv_layout": grown}) == [
+        "group 0 has KV blocks of 32 tokens, not the target's 16"
+    ]
+    assert compare.kv_geometry_problems(differ, "patched", {"kv_layout": WINDOWED}) == [
+        "drafter KV bytes/token 128 != target's 64, yet group 2 is a sliding window"
+    ]
+
+
+def _claims(
+    reserve: int = 1000, concurrency: float = 2.0, reused: int = 0, pool: int = 10, end: int = 12, **over: Any
+) -> dict[str, Any]:
+    """One build's recorded KV metrics: one request whose last allocation holds `end` blocks in one group."""
+    layout = {"bytes_per_request": reserve, "max_concurrency": concurrency, "pool_bytes_per_block": pool}
+    return {"kv_layout": layout, "kv_blocks": {"0": [[100, 100, 20], [150, 153, end]]}, "kv_reused": reused, **over}
+
+
+def test_memory_claims_are_judged_windowed_against_full_kv(tmp_path: Path) -> None:
+    """kv_claim_problems on every claim and its boundary: full-kv frees nothing (reused 0), the windowed build hands
+    blocks out again where the case's cache is sized for it, no request holds more than vLLM reserves, and the
+    windowed build ends holding less, reserves less and admits more."""
+    long, batched = C.get_cases(["evict-long"])[0], C.get_cases(["evict-batched"])[0]
+    windowed, full = _claims(reused=3, end=10), _claims(reserve=1400, concurrency=1.5, end=11)
+    assert compare.kv_claim_problems(long, windowed, full) == []
+    assert compare.kv_claim_problems(batched, windowed, full) == []
+    assert compare.kv_claim_problems(batched, _claims(reused=1, end=10), full) == []  # one block back is enough
+    assert compare.kv_claim_problems(long, _claims(end=10), full) == []  # no small cache: reuse not required
+    assert compare.kv_claim_problems(batched, _claims(end=10), full) == [
+        "no block freed from a window was handed out again, in a cache sized to make them come back"
+    ]
+    assert compare.kv_claim_problems(long, windowed, {**full, "kv_reused": 1}) == [
+        f"{C.FULL_KV} handed out 1 freed block(s) again: it frees none mid-request"
+    ]
+    nothing = {k: v for k, v in full.items() if k != "kv_reused"}
+    assert compare.kv_claim_problems(long, windowed, nothing) == []
+    # the reservation covers what a request held (20 blocks x 10 bytes at its first allocation): equal is fine
+    assert compare.kv_claim_problems(long, _claims(reserve=200, reused=3, end=10), full) == []
+    assert compare.kv_claim_problems(long, _claims(reserve=199, reused=3, end=10), full) == [
+        "patched: a request held 200 bytes, more than vLLM reserves per request (199)"
+    ]
+    short = _claims(reserve=199, concurrency=1.5, end=11)
+    assert compare.kv_claim_problems(long, windowed, short)[0] == (
+        f"{C.FULL_KV}: a request held 200 bytes, more than vLLM reserves per request (199)"
+    )
+    assert compare.kv_claim_problems(long, _claims(reused=3, end=11), full) == [
+        f"request 0 ends holding 110 bytes, {C.FULL_KV} 110: the window saved nothing"
+    ]
+    assert compare.kv_claim_problems(long, _claims(reserve=1400, reused=3, end=10), full) == [
+        f"vLLM reserves 1400 bytes per request, {C.FULL_KV} 1400"
+    ]
+    assert compare.kv_claim_problems(long, _claims(concurrency=1.5, reused=3, end=10), full) == [
+        f"vLLM admits 1.5 requests at once, {C.FULL_KV} 1.5"
+    ]
+    assert compare.kv_claim_problems(long, _claims(reused=3, end=10), {**full, "kv_blocks": {"1": [[1, 1, 99]]}}) == []
+    missing: list[dict[str, Any]] = [
+        {"kv_layout": {}},
+        {"kv_blocks": {}},
+        {"kv_layout": {**full["kv_layout"], "pool_bytes_per_block": None}},
+    ]
+    for bad in missing:
+        assert compare.kv_claim_problems(long, windowed, {**full, **bad}) == [
+            "no KV-cache layout or block records on both builds: the memory claims cannot be judged"
+        ]
+        assert compare.kv_claim_problems(long, {**windowed, **bad}, full)[0].startswith("no KV-cache layout")
+
+    # judge_kv_claims: the patched outcome of an eviction case fails with the reasons, from the runs' metrics files
+    for build, m in (("patched", _claims(reserve=1400, reused=3, end=10)), (C.FULL_KV, full)):
+        (tmp_path / build).mkdir()
+        (tmp_path / build / "evict-long.metrics.json").write_text(json.dumps(m))
+    ran = [
+        compare.Outcome("evict-long", "patched", "pass", "pass", True),
+        compare.Outcome("evict-long", C.FULL_KV, "pass", "pass", True),
+        compare.Outcome("mixed", "patched", "pass", "pass", True),
+    ]
+    judged = compare.judge_kv_claims(C.get_cases(["evict-long", "mixed"]), ran, tmp_path)
+    assert judged[1:] == ran[1:]
+    assert (judged[0].status, judged[0].as_expected) == ("fail", False)
+    assert judged[0].reasons == (f"vLLM reserves 1400 bytes per request, {C.FULL_KV} 1400",)
+    assert compare.judge_kv_claims(C.get_cases(["evict-long"]), ran[:1], tmp_path) == ran[:1]  # no full-kv run
+    errored = [compare.Outcome("evict-long", "patched", "error", "pass", False), ran[1]]
+    assert compare.judge_kv_claims(C.get_cases(["evict-long"]), errored, tmp_path) == errored
+    (tmp_path / C.FULL_KV / "evict-long.metrics.json").unlink()
+    lost = compare.judge_kv_claims(C.get_cases(["evict-long"]), ran[:2], tmp_path)
+    assert lost[0].reasons == ("no metrics of both builds",) and not lost[0].as_expected
 
 
 def test_bf16_case_is_unproven_with_a_reason_without_the_cpu_flag() -> None:
@@ -1160,12 +1297,13 @@ LIFT_ASSERTION = REPO / "tests" / "kv_negative" / "lift-one-kv-cache-group-asser
 
 def spec_only_patch(kv: Any, out: Path) -> Path:
     """TEST-ONLY: patch 0004 without its proposer change (vllm/v1/spec_decode/dflash.py): the sliding drafter layers
-    get their SlidingWindowSpec and nothing else. Derived from 0004 itself, so it follows every change to it."""
+    get their SlidingWindowSpec (and 0004's grouping and runner layout), and the proposer stays stock. Derived from
+    0004 itself, so it follows every change to it."""
     import re
 
     _, *sections = kv.text.split("\ndiff --git ")
     kept = [x for x in sections if not x.startswith("a/vllm/v1/spec_decode/dflash.py ")]
-    assert len(kept) == len(sections) - 1 == 2, [x.split("\n", 1)[0] for x in sections]
+    assert len(kept) == len(sections) - 1, [x.split("\n", 1)[0] for x in sections]
     body = re.sub(r"\n-- \n[0-9.]+\n*$", "", "\n".join("diff --git " + x for x in kept)).rstrip("\n") + "\n"
     out.write_text(
         "Description: TEST-ONLY negative control: patch 0004's KV-cache spec switch without its proposer change\n"

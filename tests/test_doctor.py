@@ -715,20 +715,58 @@ def test_context_sizes_the_kv_cache_from_the_built_models(tmp_path: Path, doctor
         "target": 16 * (131072 // 16) * (16 * 4 * 256 * 2 * 2) + sum(x["bytes"] for x in state),
     }
     assert "this build keeps 22.5% of stock's drafter KV cache" in run.stdout
+    # vLLM's own grouping (get_kv_cache_groups), each build's in its own environment, of 48 GDN + 16 full target
+    # layers and the 5 drafter layers: the attention block is the smallest multiple of 16 whose page (4 KV heads x
+    # 256, K and V, bf16) holds one GDN state (conv 3 x (2*16*128 + 48*128) and temporal 48 x 128 x 128, bf16); stock
+    # groups 5 layers a group: 10 GDN, 4 target full, 1 drafter group.
+    g = kv["groups"]
+    gdn_state = (3 * (2 * 16 * 128 + 48 * 128) + 48 * 128 * 128) * 2
+    block = 16 * -(-gdn_state // (16 * 4 * 256 * 2 * 2))
+    assert (g["attention_block_size"], g["mamba_page_size_unpadded"]) == (block, gdn_state)
+    assert g["kv_bytes_per_token"] == {"drafter": 8 * 128 * 2 * 2, "target": 4 * 256 * 2 * 2}
+    assert g["stock"]["page_size_bytes"] == [block * 4 * 256 * 2 * 2] and min(g["stock"]["block_sizes"]) == block
+    assert g["stock"]["count"] == 10 + 4 + 1 and g["stock"]["vllm_version"].endswith("+stock.1")
+    # Issue 38: this build's drafter joins or fills groups, never splits the target's: at most stock's + 2 groups,
+    # the target's block and page size unchanged, and less reserved per request (vLLM's own reservation).
+    mine = g["this_build"]
+    assert mine["vllm_version"].endswith("+dflash.1")
+    assert mine["count"] <= g["stock"]["count"] + 2, mine
+    assert mine["page_size_bytes"] == g["stock"]["page_size_bytes"] and mine["block_sizes"] == g["stock"]["block_sizes"]
+    assert mine["drafter_windows"] == [2048 + 15] * 4 + [None]
+    assert mine["bytes_per_request"] < g["stock"]["bytes_per_request"]
+    assert "KV-cache groups (each build's own get_kv_cache_groups" in run.stdout
+    assert f"this build {mine['count']} (" in run.stdout and f"stock {g['stock']['count']} (" in run.stdout
 
 
 @pytest.mark.heavy
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 38 scope 4: 0004 still gives each drafter layer kind its own spec (69)")
-def test_drafter_kv_groups_do_not_fragment_a_hybrid_target(tmp_path: Path) -> None:
-    """Qwen3.6-27B + the z-lab drafter: vLLM's own grouping under this build gives at most stock's groups + 2."""
-    (tmp_path / "target.json").write_text(json.dumps(Q36_TARGET))
-    out = tmp_path / "d.json"
-    ck = REPO / "vllm_dflash" / "doctor" / "checkpoints" / "z-lab--Qwen3.6-27B-DFlash.json"
-    args = ["doctor", str(ck), "--target", str(tmp_path / "target.json"), "--context", "131072", "--json", str(out)]
-    main(["--root", str(REPO), *args])
-    g = json.loads(out.read_text())["kv_cache"]["groups"]
-    assert g["this_build"]["count"] <= g["stock"]["count"] + 2, g["this_build"]["count"]
+def test_a_drafter_of_other_kv_bytes_keeps_its_whole_context_or_is_refused_in_one_line(manifest: Manifest) -> None:
+    """Qwen3.6-27B with the z-lab drafter's layers at 4, 6, 8 and 16 KV heads of 128 (the published one has 8: the
+    target's 4 x 256 bytes per token), through each build's own code in its environment (one process per build).
+    Where the bytes differ this build keeps every drafter layer's whole context (stock's layout); where vLLM
+    could not give the hybrid target and the drafter one page size it refuses in one line naming both sizes, where
+    stock fails inside vLLM's page-size unification (an AssertionError without a message, a NotImplementedError)."""
+    from vllm_dflash.doctor import kvcache, kvgroups
+    from vllm_dflash.series import read_queues
+
+    target = {"attention": kvcache.target_layers(Q36_TARGET)[0], "gdn": kvcache.target_gdn(Q36_TARGET)}
+    heads = (8, 4, 6, 16)
+
+    def job(kv: int) -> dict[str, Any]:
+        drafter = [{"num_kv_heads": kv, "head_dim": 128, "window": w} for w in (2048,) * 4 + (None,)]
+        sizes = {"context": 131072, "max_num_batched_tokens": 2048, "kernel_block_alignment": 16}
+        return {"dtype": "bfloat16", "num_speculative_tokens": 15, **sizes, "target": target, "drafter": drafter}
+
+    queues = read_queues(manifest.series_path, manifest.cpu_series_path)
+    jobs = {"jobs": [job(kv) for kv in heads]}
+    mine, stock = (dict(zip(heads, kvgroups.side(manifest, queues, v, jobs), strict=True)) for v in ("dflash", "stock"))
+    assert mine[8]["count"] <= stock[8]["count"] + 2 and mine[8]["drafter_windows"][0] == 2048 + 15  # the control
+    assert mine[4]["drafter_windows"] == [None] * 5 and mine[4]["count"] == stock[4]["count"]  # stock's layout
+    for kv in (6, 16):
+        line = mine[kv]["error"]
+        assert line.startswith("ValueError: DFlash drafter KV cache") and "\n" not in line
+        assert f"{kv * 128 * 2 * 2} bytes" in line and f"attention layers {4 * 256 * 2 * 2}" in line
+    assert stock[16]["error"] == "AssertionError: " and stock[6]["error"].startswith("NotImplementedError")
 
 
 # ---- issue 39: classes the rules misread ---------------------------------------------------------------------------

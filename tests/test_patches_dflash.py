@@ -46,6 +46,7 @@ DFLASH_ONLY = (
     "vllm/v1/spec_decode/dflash.py",
     "vllm/envs.py",
     "vllm/v1/core/sched/scheduler.py",
+    "vllm/v1/core/kv_cache_utils.py",
     "vllm/v1/worker/gpu_model_runner.py",
     "vllm/transformers_utils/configs/speculators/algos.py",
     "vllm/platforms/__init__.py",
@@ -84,6 +85,8 @@ def test_series_order_and_files(queue: dict[str, Patch]) -> None:
         "vllm/model_executor/models/qwen3_dflash.py",
         "vllm/v1/spec_decode/dflash.py",
         "vllm/envs.py",
+        "vllm/v1/core/kv_cache_utils.py",  # the drafter's layers join or fill groups, never split the target's
+        "vllm/v1/worker/gpu_model_runner.py",  # a layer sharing a group with another head geometry keeps its own
     }
     assert set(queue[LOG].files) == {"vllm/v1/core/sched/scheduler.py", "vllm/envs.py"}
     assert set(queue[PREFIX].files) == {"vllm/v1/core/sched/scheduler.py"}

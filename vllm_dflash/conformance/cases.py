@@ -30,6 +30,8 @@ LINEAR = "linear_attention"  # a hybrid target's Gated DeltaNet layer (Qwen3.5/3
 
 TARGET_LAYERS = 4
 HIDDEN = 128
+TARGET_KV_HEADS = 2  # every tiny target: 4 attention heads on 2 KV heads of HEAD_DIM
+HEAD_DIM = 32
 VOCAB = 512
 BLOCK_SIZE = 4  # bonus token + k mask tokens
 NUM_SPEC_TOKENS = BLOCK_SIZE - 1
@@ -145,6 +147,8 @@ class CaseSpec:
     dtype: str = "float32"  # vLLM's dtype on CPU (the oracle always runs fp32)
     requires_cpu_flag: str = ""  # skipped, with the reason, on a CPU whose /proc/cpuinfo lacks this flag
     drafter_heads: tuple[int, int] | None = None  # the drafter's (attention, KV) heads; default those of the target
+    drafter_head_dim: int | None = None  # the drafter's head size; default the target's (HEAD_DIM)
+    max_model_len: int = 256  # vLLM's max_model_len (the eviction cases: contexts well past window + token budget)
     # ---- how config.json spells the layer kinds (added; SPELLING_FIELDS, in the digest only when set) ----
     # "explicit": layer_types written out; "filled": no layer_types, use_sliding_window true and max_window_layers, so
     # transformers fills them (sliding from index max_window_layers on; `layer_types` is then what it fills in).
@@ -197,6 +201,14 @@ class CaseSpec:
         only when transformers keeps sliding_window, causality from is_causal only."""
         window = self.sliding_window if self.window_spelling == "sliding_window" else None
         return tuple((window if k == SLIDING else None, self._causal(k, False)) for k in self.layer_types)
+
+    @property
+    def kv_elements_per_token(self) -> tuple[int, int]:
+        """(drafter, target) KV heads x head size of one attention layer: what one token of KV costs each side, in
+        the same dtype. Where they differ, this build keeps the drafter's whole KV (a sliding layer's window-sized
+        cache shares its target's block table only at the target's page size) and the target's block size stays."""
+        heads = self.drafter_heads[1] if self.drafter_heads is not None else TARGET_KV_HEADS
+        return heads * (self.drafter_head_dim or HEAD_DIM), TARGET_KV_HEADS * HEAD_DIM
 
     @property
     def has_sliding(self) -> bool:
@@ -300,6 +312,8 @@ SERVING_FIELDS: tuple[str, ...] = (
     "drafter_heads",
     "evict",
     "kv_cache_bytes",
+    "drafter_head_dim",
+    "max_model_len",
 )
 
 
@@ -318,7 +332,14 @@ HYBRID_TAPS = (1, 2, 3, 5, 6)  # GDN, GDN, full, GDN, GDN
 # vLLM grows a hybrid target's attention block until its page holds a GDN state (conv + recurrent, 22 KiB here at
 # k = 3, against 512 bytes per token of attention): from 16 tokens asked it takes 48, which the cases then ask for.
 HYBRID_KV_BLOCK = 48
-EVICT_NON_CAUSAL_KV_BYTES = 5 << 18  # 1.25 MiB: 80 blocks of 2 layers in the windowed layout, 22 in the full one
+# 1.25 MiB: 32 blocks of 5 pools in the windowed layout (the target's 4 layers and the drafter's full one share a
+# block table; its 2 sliding layers fill a padded group), 22 of 7 in the full one
+EVICT_NON_CAUSAL_KV_BYTES = 5 << 18
+# The eviction cases' max_model_len and token budget: the context vLLM reserves for must be long against the window
+# plus one prefill chunk (what a sliding layer may hold mid-prefill), as at the user's 128K and 2048, or the windowed
+# layout cannot reserve less than the full one (judged, patched vs full-kv: compare.kv_claim_problems).
+EVICT_MAX_MODEL_LEN = 512
+EVICT_TOKEN_BUDGET = 64
 
 CASES: tuple[CaseSpec, ...] = (
     CaseSpec(
@@ -573,6 +594,8 @@ CASES: tuple[CaseSpec, ...] = (
         max_tokens=48,  # the context grows by 3 blocks while the sliding group stays at its window
         kv_block_size=EVICT_KV_BLOCK,
         evict=True,
+        max_num_batched_tokens=EVICT_TOKEN_BUDGET,
+        max_model_len=EVICT_MAX_MODEL_LEN,
     ),
     CaseSpec(
         name="evict-batched",
@@ -586,10 +609,11 @@ CASES: tuple[CaseSpec, ...] = (
         max_tokens=16,
         batched=True,
         max_num_seqs=4,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=EVICT_TOKEN_BUDGET,
         kv_block_size=EVICT_KV_BLOCK,
         evict=True,
         kv_cache_bytes=EVICT_BATCHED_KV_BYTES,
+        max_model_len=EVICT_MAX_MODEL_LEN,
     ),
     CaseSpec(
         name="evict-chunked",
@@ -607,6 +631,7 @@ CASES: tuple[CaseSpec, ...] = (
         min_prefill_chunks=6,
         kv_block_size=EVICT_KV_BLOCK,
         evict=True,
+        max_model_len=EVICT_MAX_MODEL_LEN,
     ),
     CaseSpec(
         name="evict-prefix",
@@ -623,6 +648,8 @@ CASES: tuple[CaseSpec, ...] = (
         rounds=2,
         shared_prefix=90,
         evict=True,
+        max_num_batched_tokens=EVICT_TOKEN_BUDGET,
+        max_model_len=EVICT_MAX_MODEL_LEN,
     ),
     CaseSpec(
         name="evict-non-causal",
@@ -640,7 +667,45 @@ CASES: tuple[CaseSpec, ...] = (
         kv_block_size=EVICT_KV_BLOCK,
         evict=True,
         kv_cache_bytes=EVICT_NON_CAUSAL_KV_BYTES,
+        # max_model_len stays 256 (a request of 512 would not fit this cache), so a smaller budget
+        max_num_batched_tokens=EVICT_TOKEN_BUDGET // 2,
         # stock reads no is_causal: on this case it computes what evict-long shows
+        expect_stock="skip",
+    ),
+    CaseSpec(
+        name="evict-geometry",
+        summary="a drafter of 1 KV head x 64 beside its target's 2 x 32 (the same KV bytes per token): its full layer "
+        "shares the target's block table with its own geometry, the sliding ones are freed",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        negatives=(NEG_FULL_ATTN,),
+        seed=26,
+        prompt_lengths=(150,),
+        max_tokens=32,
+        kv_block_size=EVICT_KV_BLOCK,
+        evict=True,
+        max_num_batched_tokens=EVICT_TOKEN_BUDGET,
+        max_model_len=EVICT_MAX_MODEL_LEN,
+        drafter_heads=(2, 1),
+        drafter_head_dim=2 * HEAD_DIM,
+        # stock keeps every drafter layer full: the geometry changes nothing there (mixed and evict-long show stock)
+        expect_stock="skip",
+    ),
+    CaseSpec(
+        name="kv-bytes-differ",
+        summary="a drafter of 4 KV heads beside its target's 2 (twice the KV bytes per token): every drafter layer "
+        "keeps the whole context, the target's KV block size unchanged",
+        layer_types=_MIXED,
+        target_layer_ids=(0, 1, 2),
+        sliding_window=WINDOW,
+        negatives=(NEG_FULL_ATTN,),
+        seed=27,
+        prompt_lengths=(70,),
+        max_tokens=16,
+        kv_block_size=EVICT_KV_BLOCK,
+        drafter_heads=(4, 4),
+        # stock keeps every drafter layer full on any drafter (mixed shows stock)
         expect_stock="skip",
     ),
     CaseSpec(

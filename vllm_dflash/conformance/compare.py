@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -520,6 +520,7 @@ def judge(
         reasons.append(f"lossless compared on {compared} request(s) < {tol.min_lossless_requests}")
     reasons += serving_problems(spec, metrics)
     reasons += kv_problems(spec, build, metrics)
+    reasons += kv_geometry_problems(spec, build, metrics)
     reasons += prefix_problems(spec, build, metrics, fixed)
     al = metrics["acceptance_length"]
     if spec.zero_lm_head:
@@ -709,6 +710,105 @@ def kv_problems(spec: C.CaseSpec, build: str, metrics: Mapping[str, Any]) -> lis
         out.append("no block was freed before a prefill ended: the chunks never crossed an eviction")
     if spec.prefix_caching and not any(any(_evicted(rows[0], g) for g in sliding) for rows in blocks.values()):
         out.append("no prefix-cache hit left the blocks outside the window out of a sliding group")
+    return out
+
+
+def kv_geometry_problems(spec: C.CaseSpec, build: str, metrics: Mapping[str, Any]) -> list[str]:
+    """Where the drafter's KV bytes per token are its target's, the windowed build's full drafter layer shares a
+    block table with target layers (patch 0004 must not split the target into groups of its own); where they differ,
+    every drafter layer keeps the whole context and every group keeps the case's KV block size (the target's block
+    size never changes for the drafter). From the KV-cache layout the scheduler really made."""
+    layout = metrics.get("kv_layout")
+    if build != "patched" or not layout or not spec.has_sliding or spec.ids_spelling == "speculators":
+        return []
+    drafter, target = spec.kv_elements_per_token
+    groups = _drafter_groups(layout)
+    if drafter != target:
+        out = [
+            f"drafter KV bytes/token {drafter} != target's {target}, yet group {g['gid']} is a sliding window"
+            for g in groups
+            if g.get("window")
+        ]
+        block = spec.kv_block_size
+        out += [
+            f"group {g['gid']} has KV blocks of {g['block_size']} tokens, not the target's {block}"
+            for g in layout.get("groups") or ()
+            if block and int(g["block_size"]) != block
+        ]
+        return out
+    alone = [g for g in groups if not g.get("window") and int(g["layers"]) == int(g["drafter_layers"])]
+    return [
+        f"the drafter's full layer(s) hold a block table of their own (group {g['gid']}), apart from the target's"
+        for g in alone
+    ]
+
+
+def _held_bytes(row: Sequence[int], layout: Mapping[str, Any]) -> int:
+    """Bytes a request's blocks take in the shared pools at one allocation: every block held, in any group, costs
+    one block of every pool (vLLM's own `_pool_bytes_per_block`, recorded with the layout)."""
+    return sum(int(x) for x in row[2:]) * int(layout["pool_bytes_per_block"])
+
+
+def kv_claim_problems(spec: C.CaseSpec, windowed: Mapping[str, Any], full: Mapping[str, Any]) -> list[str]:
+    """The eviction case's memory claims, patched (windowed) against full-kv on the same case, from what each run
+    recorded: a layout that keeps the whole context frees no block while a request runs, so none comes back
+    (kv_reused 0), and where the case's cache is small enough to cycle the windowed build hands freed blocks out
+    again; each build's per-request reservation (vLLM's own `_max_memory_usage_bytes_from_groups`) covers the bytes
+    any request really held (every allocation's blocks times vLLM's bytes per pool block); and the windowed build
+    holds less at the end of every request, reserves less per request and admits more requests at once."""
+    out: list[str] = []
+    lw: Mapping[str, Any] = windowed.get("kv_layout") or {}
+    lf: Mapping[str, Any] = full.get("kv_layout") or {}
+    recorded = [
+        windowed.get("kv_blocks"),
+        full.get("kv_blocks"),
+        lw.get("pool_bytes_per_block"),
+        lf.get("pool_bytes_per_block"),
+    ]
+    if not all(recorded):
+        return ["no KV-cache layout or block records on both builds: the memory claims cannot be judged"]
+    if int(full.get("kv_reused", 0)) != 0:
+        out.append(f"{C.FULL_KV} handed out {full['kv_reused']} freed block(s) again: it frees none mid-request")
+    if spec.kv_cache_bytes and int(windowed.get("kv_reused", 0)) <= 0:
+        out.append("no block freed from a window was handed out again, in a cache sized to make them come back")
+    for name, m, layout in (("patched", windowed, lw), (C.FULL_KV, full, lf)):
+        peak = max(_held_bytes(r, layout) for rows in m["kv_blocks"].values() for r in rows)
+        if peak > int(layout["bytes_per_request"]):
+            out.append(
+                f"{name}: a request held {peak} bytes, more than vLLM reserves per request "
+                f"({layout['bytes_per_request']})"
+            )
+    for req, rows in windowed["kv_blocks"].items():
+        theirs = full["kv_blocks"].get(req)
+        if theirs and _held_bytes(rows[-1], lw) >= _held_bytes(theirs[-1], lf):
+            out.append(
+                f"request {req} ends holding {_held_bytes(rows[-1], lw)} bytes, {C.FULL_KV} "
+                f"{_held_bytes(theirs[-1], lf)}: the window saved nothing"
+            )
+    if int(lw["bytes_per_request"]) >= int(lf["bytes_per_request"]):
+        out.append(f"vLLM reserves {lw['bytes_per_request']} bytes per request, {C.FULL_KV} {lf['bytes_per_request']}")
+    if float(lw["max_concurrency"]) <= float(lf["max_concurrency"]):
+        out.append(f"vLLM admits {lw['max_concurrency']:.3g} requests at once, {C.FULL_KV} {lf['max_concurrency']:.3g}")
+    return out
+
+
+def judge_kv_claims(specs: Sequence[C.CaseSpec], outcomes: list[Outcome], work: Path) -> list[Outcome]:
+    """The patched outcome of every eviction case that ran beside its full-kv control, failed where
+    kv_claim_problems finds one (the claims need both runs, so they are judged after each run's own verdict)."""
+    by = {(o.case, o.build): o for o in outcomes}
+    out = list(outcomes)
+    for spec in specs:
+        mine, theirs = by.get((spec.name, "patched")), by.get((spec.name, C.FULL_KV))
+        if not spec.evict or mine is None or theirs is None or mine.status in ("error", UNPROVEN):
+            continue
+        paths = [work / b / f"{spec.name}.metrics.json" for b in ("patched", C.FULL_KV)]
+        found = (
+            kv_claim_problems(spec, *(json.loads(p.read_text()) for p in paths))
+            if all(p.is_file() for p in paths)
+            else ["no metrics of both builds"]
+        )
+        if found:
+            out[out.index(mine)] = replace(mine, status="fail", as_expected=False, reasons=(*mine.reasons, *found))
     return out
 
 
@@ -958,6 +1058,7 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
             metrics = json.loads(mpath.read_text()) if (b, s.name) not in side_errors and mpath.is_file() else None
             case_tol = C.tolerance_for(s, options.device)
             outcomes.append(judge(s, b, metrics, case_tol, side_errors.get((b, s.name), ""), fixed))
+    outcomes = judge_kv_claims(specs, outcomes, work)  # patched vs full-kv: needs both runs
     ok = run_verdict(outcomes) == "pass"
     # One report per pin (the default pin's keeps its old name).
     suffix = "" if manifest.is_default_pin else f"-{manifest.pin_name}"

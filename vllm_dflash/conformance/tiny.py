@@ -67,8 +67,8 @@ def _common_config() -> dict[str, Any]:
         "hidden_size": C.HIDDEN,
         "intermediate_size": 2 * C.HIDDEN,
         "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
+        "num_key_value_heads": C.TARGET_KV_HEADS,
+        "head_dim": C.HEAD_DIM,
         "max_position_embeddings": 512,
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
@@ -234,6 +234,8 @@ def drafter_config(spec: C.CaseSpec) -> Any:
     common = _common_config()
     if spec.drafter_heads is not None:
         common["num_attention_heads"], common["num_key_value_heads"] = spec.drafter_heads
+    if spec.drafter_head_dim is not None:
+        common["head_dim"] = spec.drafter_head_dim
     filled = spec.layer_types_spelling == "filled"  # transformers fills layer_types from max_window_layers
     return Qwen3Config(
         **common,
@@ -352,6 +354,7 @@ def build_case(spec: C.CaseSpec, out: Path) -> Path:
             refusal=spec.refusal,
             negatives=list(spec.negatives),
             max_num_batched_tokens=token_budget(spec),
+            max_model_len=spec.max_model_len,
             dtype=spec.dtype,
             batched=spec.batched,
             max_num_seqs=spec.max_num_seqs,

