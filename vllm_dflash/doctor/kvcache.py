@@ -162,7 +162,7 @@ def _layer_rows(rows: Sequence[Mapping[str, Any]]) -> tuple[LayerKV, ...]:
 
 def built_rows(readings: Mapping[str, Any]) -> dict[str, Any]:
     """The per-layer KV-cache figures the built models reported (vllm_side: each layer's own get_kv_cache_spec and
-    KVCacheSpec.max_memory_usage_bytes at the serve arguments), in kv_side's shape: this build's and stock's drafter
+    KVCacheSpec.max_memory_usage_bytes at the serve arguments): this build's and stock's drafter
     layers, the target's layers (this build's run), and what vLLM release computed them."""
     from vllm_dflash.doctor.columns import OURS, STOCK
 
