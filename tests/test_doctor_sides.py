@@ -184,3 +184,19 @@ def test_a_side_that_never_answers_is_stopped(
         ):
             s.ask([{"config": {"n": 1}}])
         assert time.monotonic() - started < 30
+
+
+def test_a_long_batch_of_slow_answers_reaches_the_server_whole(
+    tmp_path: Path, toy: sides.Column, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch larger than the socket's buffers, answered more slowly in all than the per-answer bound but each answer
+    well within it (the differential's 300 configs on the upstream 0.33.0 column, 2 s a refused config): every answer
+    comes back. Sent with one sendall, the send itself timed out after the bound and the batch never ended."""
+    slow = TOY.replace('    print("a log', '    import time; time.sleep(0.05)\n    print("a log')
+    (tmp_path / "toy_side.py").write_text(slow)
+    monkeypatch.setattr(sides, "SIDE_TIMEOUT_S", 2)
+    pad = "x" * 20_000  # 60 requests of 20 kB: more than a unix socket holds, answered in about 3 s
+    requests = [{"config": {"n": i, "pad": pad}} for i in range(60)]
+    with sides.Sides({"toy": toy}, cache=False, idle=30.0) as s:
+        got = s.ask(requests)["toy"]
+    assert [a["echo"]["n"] for a in got] == list(range(60))

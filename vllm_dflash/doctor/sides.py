@@ -344,7 +344,7 @@ class _Server:
                 line = f.readline()
                 if not line:
                     raise SideError(f"the {self.column.build} column's side closed", "run the doctor again")
-                payload = "".join(json.dumps(r) + "\n" for r in requests)
+                payload = [json.dumps(r) + "\n" for r in requests]
                 writer = threading.Thread(target=_send_all, args=(s, payload), daemon=True)
                 writer.start()
                 answers = []
@@ -363,10 +363,14 @@ class _Server:
         pass  # it stays up until idle
 
 
-def _send_all(s: Any, payload: str) -> None:
+def _send_all(s: Any, lines: Sequence[str]) -> None:
+    """One sendall per request: the socket's timeout bounds each call's whole duration, and the server reads a batch
+    only as fast as it answers it, so one sendall of the whole batch timed out on a long batch of slow answers and
+    left both ends waiting (the client for answers, the server for the rest of the batch)."""
     import socket
 
-    s.sendall(payload.encode())
+    for line in lines:
+        s.sendall(line.encode())
     s.shutdown(socket.SHUT_WR)
 
 
