@@ -35,6 +35,7 @@ PARTS: tuple[tuple[str, str], ...] = (
     ("images", "tests/test_image.py"),
     ("doctor's environments", "tests/test_doctor"),
     ("hybrid target (CPU GDN kernels)", "tests/test_hybrid_target.py"),
+    ("CPU twin containers and the router", "tests/test_cpu_image.py"),
 )
 OTHER = "everything else"
 

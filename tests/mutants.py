@@ -281,6 +281,22 @@ MUTANTS: list[tuple[str, str, str]] = [
         '    if recorded in ("pass", "fail"):\n        problem = conditions_difference',
         "    if False:\n        problem = conditions_difference",
     ),
+    # issue 41: replicas behind a router -- their counters added up, each request accounted for once, re-checked
+    (R, "    return replicas_problem(data, got)", "    return None"),
+    (R, "        if sums[name] != delta.values[name]:", "        if False:"),
+    (R, "            sums[name] += got.values[name]", "            sums[name] = got.values[name]"),
+    (R, "        if per_pos.get(pos, 0.0) != delta.per_position.get(pos, 0.0):", "        if False:"),
+    (M, "    out = SpecCounters(finished_requests=0.0)", "    out = SpecCounters()"),
+    (
+        M,
+        "per_position={p: self.per_position.get(p, 0.0) + other.per_position.get(p, 0.0) for p in positions},",
+        "per_position={**other.per_position, **self.per_position},",
+    ),
+    (M, "    if any(c is None for c in counts):", "    if False:"),
+    (M, "    if finished == sent:", "    if finished >= sent:"),
+    (M, "    if finished < sent:", "    if finished > sent:"),
+    (M, "delta.finished_requests >= sent:", "delta.finished_requests >= 0:"),
+    (M, "and self.started != before.started:", "and False:"),
 ]
 
 

@@ -282,3 +282,24 @@ def test_production_stack_chart_renders_the_full_command(tmp_path: Path) -> None
     )
     failed = kubernetes_validate(bad, tmp_path)
     assert failed.returncode != 0 and "comand" in failed.stdout + failed.stderr
+
+
+# The drafter's public F16 GGUF (the doctor's table entry quotes it): a check on the sizes the sizing table counts with.
+DRAFTER_GGUF_MIB = 3310.7
+
+
+@pytest.mark.heavy
+@pytest.mark.slow
+def test_sizing_table_is_what_the_doctor_computes() -> None:
+    """docs/deploy.md's sizing table is what tests/deploy_sizing.py computes now: the weights counted by the models'
+    own classes (a 27B target; the drafter within 1 % of its public GGUF), the KV cache per sequence by the doctor."""
+    import deploy_sizing
+
+    counts = deploy_sizing.parameters()
+    assert 26e9 < counts["target"] < 28e9, counts
+    assert abs(2 * counts["drafter"] / 2**20 - DRAFTER_GGUF_MIB) < 0.01 * DRAFTER_GGUF_MIB, counts
+    made = deploy_sizing.table(counts)
+    print(made)
+    assert deploy_sizing.in_docs((REPO / "docs" / "deploy.md").read_text()) == made, (
+        "docs/deploy.md's sizing table is stale: python tests/deploy_sizing.py --write"
+    )

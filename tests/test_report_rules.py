@@ -247,6 +247,31 @@ def test_measurement_problem_decisions() -> None:
     assert rules.measurement_problem(no_family, method="ngram") is None
 
 
+def test_a_routers_replicas_add_up_to_the_delta() -> None:
+    """A report measured behind a router carries each replica's counter delta; every reader adds them up again."""
+    one = scrape(60, 180, 90, {0: 45, 1: 30, 2: 15}, generation_tokens=240)
+    two = scrape(40, 120, 60, {0: 30, 1: 20, 2: 10}, generation_tokens=160)
+    rows = [{"metrics": f"http://r{i}/metrics", "counters": c.as_dict()} for i, c in enumerate((one, two))]
+    data = report(replicas=rows)
+    assert rules.measurement_problem(data) is None
+    assert rules.measurement_problem(report()) is None  # one server: no replicas to add up
+    cases: list[tuple[Callable[[dict[str, Any]], Any], str]] = [
+        (lambda d: d.update(replicas=[]), "its replicas are not a list"),
+        (lambda d: d.update(replicas="r0"), "its replicas are not a list"),
+        (lambda d: d["replicas"][1].update(counters=None), "replicas[1]"),
+        (lambda d: d["replicas"].pop(), "replicas' num_drafts add up to 60, its delta says 100"),
+        (lambda d: d["replicas"].append(d["replicas"][0]), "num_drafts add up to 160"),
+        (lambda d: d["replicas"][0]["counters"].update(generation_tokens=241), "generation_tokens add up to 401"),
+        (
+            lambda d: d["replicas"][0]["counters"]["num_accepted_tokens_per_pos"].update({"0": 44, "1": 31}),
+            "num_accepted_tokens_per_pos[0] do not add up",
+        ),
+    ]
+    for edit, words in cases:
+        got = rules.measurement_problem(edited(data, edit))
+        assert got is not None and words in got, (words, got)
+
+
 # -------------------------------------------------------------------------------------- the verdict again
 def test_a_genuine_report_is_judged_as_it_says() -> None:
     prof = profile()

@@ -216,5 +216,6 @@ def test_the_build_cache_key_covers_the_builders_code(tmp_path: Path) -> None:
         target.write_text(text + "\n# edited\n")
         assert B.builder_digest(package) != before, edited
         target.write_text(text)
-    (package / "report.py").write_text((package / "report.py").read_text() + "\n# edited\n")
-    assert B.builder_digest(package) == before
+    for other in ("report.py", "pipeline/image.py"):  # images pack finished wheels: not the wheel's bytes
+        (package / other).write_text((package / other).read_text() + "\n# edited\n")
+        assert B.builder_digest(package) == before, other

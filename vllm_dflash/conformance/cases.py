@@ -326,12 +326,6 @@ _MIXED = (SLIDING, SLIDING, FULL)
 REAL_WINDOW = 24  # real-shape: a window longer than the 16-token block, as 2048 is for the real drafter
 EVICT_KV_BLOCK = 16  # vLLM's KV block in the eviction cases: a window of 8 (+3 drafted) spans at most 2 of them
 EVICT_BATCHED_KV_BYTES = 2 << 20  # evict-batched's whole KV cache: freed blocks must be handed out again
-_REAL_KINDS = (SLIDING, SLIDING, SLIDING, SLIDING, FULL)  # z-lab/Qwen3.6-27B-DFlash's layer kinds
-HYBRID_TARGET_LAYERS = 8
-HYBRID_TAPS = (1, 2, 3, 5, 6)  # GDN, GDN, full, GDN, GDN
-# vLLM grows a hybrid target's attention block until its page holds a GDN state (conv + recurrent, 22 KiB here at
-# k = 3, against 512 bytes per token of attention): from 16 tokens asked it takes 48, which the cases then ask for.
-HYBRID_KV_BLOCK = 48
 # 1.25 MiB: 32 blocks of 5 pools in the windowed layout (the target's 4 layers and the drafter's full one share a
 # block table; its 2 sliding layers fill a padded group), 22 of 7 in the full one
 EVICT_NON_CAUSAL_KV_BYTES = 5 << 18
@@ -340,6 +334,12 @@ EVICT_NON_CAUSAL_KV_BYTES = 5 << 18
 # layout cannot reserve less than the full one (judged, patched vs full-kv: compare.kv_claim_problems).
 EVICT_MAX_MODEL_LEN = 512
 EVICT_TOKEN_BUDGET = 64
+_REAL_KINDS = (SLIDING, SLIDING, SLIDING, SLIDING, FULL)  # z-lab/Qwen3.6-27B-DFlash's layer kinds
+HYBRID_TARGET_LAYERS = 8
+HYBRID_TAPS = (1, 2, 3, 5, 6)  # GDN, GDN, full, GDN, GDN
+# vLLM grows a hybrid target's attention block until its page holds a GDN state (conv + recurrent, 22 KiB here at
+# k = 3, against 512 bytes per token of attention): from 16 tokens asked it takes 48, which the cases then ask for.
+HYBRID_KV_BLOCK = 48
 
 CASES: tuple[CaseSpec, ...] = (
     CaseSpec(

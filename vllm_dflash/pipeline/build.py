@@ -174,11 +174,17 @@ def build(manifest: Manifest, queues: Queues, options: BuildOptions) -> BuildRes
 _PACKAGE = Path(__file__).resolve().parent.parent
 
 
+# Pipeline modules off the wheel's path: the image builder packs finished wheels into images, so its edits must not
+# rebuild every cached wheel (and re-run every ablation keyed by one).
+_NOT_WHEEL_CODE = frozenset({"image.py"})
+
+
 def builder_digest(package: Path = _PACKAGE) -> str:
-    """sha256 of the code that writes a wheel's bytes (every pipeline module and the provenance writer), so a cache
-    that outlives a checkout (CI's) never hands out a wheel an older builder made."""
+    """sha256 of the code that writes a wheel's bytes (the pipeline's modules but the image builder, and the
+    provenance writer), so a cache that outlives a checkout (CI's) never hands out a wheel an older builder made."""
     h = hashlib.sha256()
-    for path in sorted([*(package / "pipeline").glob("*.py"), package / "provenance.py"]):
+    modules = [m for m in (package / "pipeline").glob("*.py") if m.name not in _NOT_WHEEL_CODE]
+    for path in sorted([*modules, package / "provenance.py"]):
         h.update(f"{path.relative_to(package).as_posix()}\0".encode() + path.read_bytes() + b"\0")
     return h.hexdigest()
 

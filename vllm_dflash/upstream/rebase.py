@@ -104,8 +104,33 @@ def _am_env() -> dict[str, str]:
     return {k: v for k, v in BOT_IDENTITY.items() if "COMMITTER" in k} | {"GIT_COMMITTER_DATE": FIXED_DATE}
 
 
+def _store_queue_blobs(work: Path, base_rev: str, queue: Sequence[Patch]) -> None:
+    """Write into `work` the blobs of every state the queue passes through on its own pin, in a scratch index.
+
+    A patch's `index` lines name the blobs it was written against: the pin's tree after the patches before it. A
+    3-way merge needs that pre-image; when an earlier patch is retired (not re-applied) its output exists nowhere
+    else, and `git am -3` then stops without a conflict a person could resolve."""
+    scratch = work / ".git" / "dflash-old-queue.index"
+    env = {**os.environ, "GIT_INDEX_FILE": str(scratch)}
+    try:
+        _git(work, "read-tree", base_rev, env=env)
+        for patch in queue:  # the queue applied on its own pin; a patch that does not is left to the merge
+            if proc.call("git", "apply", "--cached", "--whitespace=nowarn", patch.path, cwd=work, env=env,
+                         capture=True, check=False).returncode != 0:  # fmt: skip
+                break
+    finally:
+        scratch.unlink(missing_ok=True)
+
+
 def _reapply(
-    manifest: Manifest, target: Target, kept: Sequence[Patch], branch: str, work: Path, ref: str, resume: bool
+    manifest: Manifest,
+    target: Target,
+    kept: Sequence[Patch],
+    branch: str,
+    work: Path,
+    ref: str,
+    resume: bool,
+    queue: Sequence[Patch] = (),
 ) -> dict[str, str]:
     """Apply `kept` on the new release in `work`, 3-way where needed; the refreshed patch texts by file name.
 
@@ -131,6 +156,7 @@ def _reapply(
         # The blobs the patches were written against (the current pin's tree) make 3-way merges possible.
         old = release_target(manifest, manifest.upstream.version)
         _git(work, "fetch", "-q", "--no-tags", str(old.tree), old.rev)
+        _store_queue_blobs(work, old.rev, queue)
 
     done = _git(work, "rev-list", "--reverse", f"{target.rev}..HEAD").split()
     if len(done) > len(kept):
@@ -271,7 +297,7 @@ def rebase(
     kept = [p for p in queue.patches if p.name not in retired_names]
     branch = manifest.build.fork_branch.format(version=version)
     work = refresh_tree_path(version)
-    refreshed = _reapply(manifest, target, kept, branch, work, ref, resume)
+    refreshed = _reapply(manifest, target, kept, branch, work, ref, resume, queue.patches)
     for name in refreshed:
         notes.append(f"refreshed patches/{name} for {version} (3-way merge)")
 

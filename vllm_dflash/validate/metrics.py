@@ -13,12 +13,12 @@ ones again to the counters it carries.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_dflash import report as rules
-from vllm_dflash.errors import MeasurementError
+from vllm_dflash.errors import MeasurementError, ReplicaDownError
 from vllm_dflash.validate import client
 
 # Prometheus family names as vLLM exports them (the text format adds `_total` to counter samples; the parser
@@ -38,6 +38,12 @@ MAX_METRICS_BYTES = 32 << 20
 # Prefix caching (prompt tokens looked up / found in the cache): a run that claims the condition must show hits.
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
+# Finished requests (one sample per finish reason): behind a router, each request finishes on exactly one replica, so
+# the replicas' deltas must add up to the requests the run sent (none missing, none counted twice).
+REQUEST_SUCCESS = "vllm:request_success"
+# When the serving process started (prometheus_client's process collector, on vLLM's default registry): which server
+# answered a scrape. A load balancer in front of /metrics answers from one replica, then another.
+PROCESS_START = "process_start_time_seconds"
 
 
 @dataclass(frozen=True)
@@ -69,10 +75,22 @@ class SpecCounters:
 
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
+    # Requests finished (vllm:request_success, every finish reason; None: not exported): not a report counter, the
+    # accounting of which servers answered the run's requests.
+    finished_requests: float | None = None
+    # The answering process's start time (PROCESS_START; None: not exported, or counters of several servers added).
+    started: float | None = None
 
     def minus(self, before: SpecCounters) -> SpecCounters:
         """The counts added between `before` and this scrape; MeasurementError when a counter went down (the
-        server restarted in between, or it is not a counter at all)."""
+        server restarted in between, or it is not a counter at all) or another process answered this scrape."""
+        if self.started is not None and before.started is not None and self.started != before.started:
+            raise MeasurementError(
+                f"two scrapes of /metrics were answered by different server processes (started at {before.started:.2f} "
+                f"and {self.started:.2f}): a router or load balancer in front of /metrics, or a restart, so the "
+                "difference of their counters is no server's drafts",
+                "pass each replica behind the router with --metrics (docs/deploy.md), or --endpoint one server",
+            )
         mine, theirs = self.named(), before.named()
         for name, old in theirs.items():
             new = mine.get(name, 0.0)
@@ -92,6 +110,24 @@ class SpecCounters:
             present=self.present,
             prefix_cache_queries=self.prefix_cache_queries - before.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits - before.prefix_cache_hits,
+            finished_requests=_op(self.finished_requests, before.finished_requests, -1),
+        )
+
+    def plus(self, other: SpecCounters) -> SpecCounters:
+        """Two servers' counters together (the replicas behind one router): every counter added, each position's too;
+        the cache config is the first one's (replicas are started alike)."""
+        positions = sorted(set(self.per_position) | set(other.per_position))
+        return SpecCounters(
+            drafts=self.drafts + other.drafts,
+            draft_tokens=self.draft_tokens + other.draft_tokens,
+            accepted=self.accepted + other.accepted,
+            per_position={p: self.per_position.get(p, 0.0) + other.per_position.get(p, 0.0) for p in positions},
+            generation_tokens=self.generation_tokens + other.generation_tokens,
+            present=self.present or other.present,
+            observed=self.observed or other.observed,
+            prefix_cache_queries=self.prefix_cache_queries + other.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits + other.prefix_cache_hits,
+            finished_requests=_op(self.finished_requests, other.finished_requests, 1),
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -104,6 +140,11 @@ class SpecCounters:
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
         }
+
+
+def _op(a: float | None, b: float | None, sign: int) -> float | None:
+    """a + sign x b for a count a server may not export (None: unknown, and so is the result)."""
+    return None if a is None or b is None else a + sign * b
 
 
 @dataclass(frozen=True)
@@ -150,7 +191,11 @@ def parse_spec_counters(text: str) -> SpecCounters:
             f"/metrics is not Prometheus text format: {str(exc)[:300]}", "check that the URL is a vLLM server"
         ) from None
     observed: dict[str, str] = {}
+    started: float | None = None
     for family in families:
+        if family.name == PROCESS_START and len(family.samples) == 1:
+            started = float(family.samples[0].value)
+            continue
         if family.name == CACHE_CONFIG_INFO and family.samples:
             labels = family.samples[0].labels
             observed = {k: str(labels[k]) for k in OBSERVED_CACHE_FIELDS if k in labels}
@@ -158,7 +203,7 @@ def parse_spec_counters(text: str) -> SpecCounters:
         # vLLM declares its counters as `<name>_total` (the parser strips that suffix); a family declared without
         # TYPE keeps it. Either way the family is the same counter.
         name = family.name.removesuffix("_total")
-        if name not in (*SPEC_FAMILIES, GENERATION_TOKENS, PREFIX_QUERIES, PREFIX_HITS):
+        if name not in (*SPEC_FAMILIES, GENERATION_TOKENS, PREFIX_QUERIES, PREFIX_HITS, REQUEST_SUCCESS):
             continue
         present = present or name in SPEC_FAMILIES
         for sample in family.samples:
@@ -195,11 +240,16 @@ def parse_spec_counters(text: str) -> SpecCounters:
         observed=observed,
         prefix_cache_queries=totals.get(PREFIX_QUERIES, 0.0),
         prefix_cache_hits=totals.get(PREFIX_HITS, 0.0),
+        finished_requests=totals.get(REQUEST_SUCCESS),
+        started=started,
     )
 
 
-def scrape(base_url: str, timeout_s: float = 30.0, session: client.Session | None = None) -> SpecCounters:
-    """GET `{base_url}/metrics` (answered in full within `timeout_s` seconds) and parse it."""
+def scrape(
+    base_url: str, timeout_s: float = 30.0, session: client.Session | None = None, replica: bool = False
+) -> SpecCounters:
+    """GET `{base_url}/metrics` (answered in full within `timeout_s` seconds) and parse it. A `replica` (one of the
+    servers behind a router) that gives no answer is down: ReplicaDownError."""
     url = base_url.rstrip("/") + "/metrics"
     try:
         resp = (session or client.Session()).request("GET", url, timeout_s, MAX_METRICS_BYTES)
@@ -209,6 +259,11 @@ def scrape(base_url: str, timeout_s: float = 30.0, session: client.Session | Non
             "point --endpoint at a vLLM server",
         ) from None
     except client.TransportError as exc:
+        if replica and not (session is not None and session.aborted.is_set()):
+            raise ReplicaDownError(
+                f"replica {base_url} is down (its /metrics: {exc}): the drafts the router sent it cannot be counted",
+                "bring it back, or take it out of the router and drop its --metrics, then run validate again",
+            ) from None
         raise MeasurementError(
             f"cannot read {url}: {exc}", "check that the server is up and exports /metrics"
         ) from None
@@ -219,6 +274,52 @@ def scrape(base_url: str, timeout_s: float = 30.0, session: client.Session | Non
     except UnicodeDecodeError:
         raise MeasurementError(f"{url} is not UTF-8 text", "check that the URL is a vLLM server") from None
     return parse_spec_counters(text)
+
+
+def scrape_replicas(
+    replicas: Sequence[str], timeout_s: float = 30.0, session: client.Session | None = None
+) -> tuple[SpecCounters, ...]:
+    """Each replica's /metrics (base URLs, one per server behind the router), in order; ReplicaDownError when one
+    does not answer."""
+    return tuple(scrape(url, timeout_s, session, replica=True) for url in replicas)
+
+
+def total(scrapes: Sequence[SpecCounters]) -> SpecCounters:
+    """The replicas' counters added up: what the fleet behind a router drafted and accepted."""
+    out = SpecCounters(finished_requests=0.0)
+    for one in scrapes:
+        out = out.plus(one)
+    return out
+
+
+def accounting_problem(deltas: Sequence[SpecCounters], sent: int, replicas: Sequence[str]) -> str | None:
+    """None when the replicas' finished requests add up to the `sent` requests of the run (each request finishes on
+    one replica); else what that means: a replica missing from the list, or one counted twice (or other traffic)."""
+    counts = [d.finished_requests for d in deltas]
+    if any(c is None for c in counts):
+        missing = [url for url, c in zip(replicas, counts, strict=True) if c is None]
+        return f"{', '.join(missing)} export no {REQUEST_SUCCESS}: not vLLM servers, their requests cannot be counted"
+    finished = sum(c for c in counts if c is not None)
+    if finished == sent:
+        return None
+    each = ", ".join(f"{url} {c:g}" for url, c in zip(replicas, counts, strict=True) if c is not None)
+    if finished < sent:
+        why = "a replica the router sent requests to is missing from --metrics"
+    else:
+        why = "a replica is named twice in --metrics (two URLs of one server), or the replicas served other traffic"
+    return f"the replicas' /metrics count {finished:g} finished requests for the {sent} this run sent ({each}): {why}"
+
+
+def hidden_servers_problem(delta: SpecCounters, sent: int, url: str) -> str | None:
+    """One server's /metrics that counts fewer finished requests than the run sent: others answered some of them,
+    e.g. replicas behind a router whose /metrics shows one of them. None when it counts them all (or exports no
+    count: then nothing can be told)."""
+    if delta.finished_requests is None or delta.finished_requests >= sent:
+        return None
+    return (
+        f"{url}/metrics counts {delta.finished_requests:g} finished requests of the {sent} this run sent: other "
+        "servers answered the rest (a router shows one replica's /metrics), so their drafts are not in these counters"
+    )
 
 
 def acceptance(delta: SpecCounters, k: int, method: str | None = None) -> Acceptance:

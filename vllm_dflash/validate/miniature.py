@@ -150,6 +150,58 @@ def prepare(
     return MiniatureRun(resolved, prompts, choice, comparisons, reference, candidate, stock, conditions, prompt_set)
 
 
+@dataclass(frozen=True)
+class ServedMiniature:
+    """What `validate --endpoint` needs for a cpu-builds profile whose miniature another server serves (the CPU twin
+    in a container, replicas behind a router): the same prompts, reference loop and gates, nothing built here."""
+
+    profile: Profile
+    prompts: list[Prompt]
+    choice: ServerChoice
+    reference: Callable[[], Reference]
+    full_count: int  # the profile's whole prompt set (fewer sent: an exploratory report)
+    conditions: str = ""
+
+
+def prepare_endpoint(
+    manifest: Manifest,
+    profile: Profile,
+    endpoint: str,
+    wheel: Path | None = None,
+    replicas: tuple[str, ...] = (),
+    num_prompts: int | None = None,
+    health_timeout: float | None = None,
+) -> ServedMiniature:
+    """Train (or load) the miniature for its prompts and reference; the endpoint serves it (its own copy of the
+    models, served as the profile's model name)."""
+    if manifest.reference is None:
+        raise ManifestError("dist.toml has no [artifacts.reference]", "the miniature needs the dflash reference")
+    ref_python = envs.reference_python(manifest)
+    models = host.ensure_mini_models(ref_python)
+    _check_profile(profile, host.model_config(models))
+    rows = host.read_prompts(models)
+    own = [Prompt(id=r["id"], category="mini", text=r["prompt"]) for r in rows]
+    if profile.num_prompts:
+        own = own[: profile.num_prompts]
+    base = own[:num_prompts] if num_prompts else own
+    prompts = repeated(base, profile.rounds)
+    resolved = replace(
+        profile,
+        target=str(models / "target"),
+        drafter=str(models / "drafter"),
+        served_model_name=profile.served_model_name or "mini",
+        prompts=str(models / "prompts.jsonl"),
+    )
+    choice = ServerChoice(endpoint=endpoint, wheel=wheel, replicas=replicas, health_timeout_s=health_timeout)
+
+    def reference() -> Reference:
+        return _reference(ref_python, models, len(base), profile.max_tokens, profile.rounds)
+
+    return ServedMiniature(
+        resolved, prompts, choice, reference, len(repeated(own, profile.rounds)), serving_conditions(profile, base)
+    )
+
+
 def repeated(prompts: list[Prompt], rounds: int) -> list[Prompt]:
     """The prompt set `rounds` times over; a repeat's id is `<id>#<round>` (its reference output is the id's)."""
     out = list(prompts)

@@ -148,7 +148,23 @@ def request_deadline(profile: Profile) -> float:
     return max(600.0, profile.max_tokens * 2.0)
 
 
-def run_prompts(base_url: str, profile: Profile, prompts: Sequence[Prompt], show_progress: bool = True) -> RunResult:
+def scrape_counters(
+    base_url: str, replicas: Sequence[str] = (), session: client.Session | None = None
+) -> tuple[metrics.SpecCounters, tuple[metrics.SpecCounters, ...]]:
+    """The server's counters: its own /metrics, or, behind a router, the sum of its `replicas`' (each one's too)."""
+    if not replicas:
+        return metrics.scrape(base_url, session=session), ()
+    each = metrics.scrape_replicas(replicas, session=session)
+    return metrics.total(each), each
+
+
+def run_prompts(
+    base_url: str,
+    profile: Profile,
+    prompts: Sequence[Prompt],
+    show_progress: bool = True,
+    replicas: Sequence[str] = (),
+) -> RunResult:
     """Send every prompt as a chat completion (greedy unless the profile says otherwise), `profile.concurrency` at
     a time, each with a total deadline (client.py).
 
@@ -187,7 +203,7 @@ def run_prompts(base_url: str, profile: Profile, prompts: Sequence[Prompt], show
             raise MeasurementError(
                 f"request for prompt {prompt.id} failed: HTTP {resp.status}: {said}", "check the server log"
             )
-        counters = metrics.scrape(base_url, session=session) if profile.concurrency == 1 else None
+        counters = scrape_counters(base_url, replicas, session)[0] if profile.concurrency == 1 else None
         return Completion(prompt.id, got[0], got[1], start, end, counters)
 
     results: list[Completion | None] = [None] * len(prompts)
@@ -253,6 +269,8 @@ class ServerChoice:
     container_tool: str = "docker"
     gpus: str = "all"
     baseline_endpoint: str | None = None
+    # endpoint mode: the base URLs of the replicas behind it (a router), whose /metrics are read and added up
+    replicas: tuple[str, ...] = ()
     health_timeout_s: float | None = None
     log_dir: Path | None = None
     env: Mapping[str, str] = field(default_factory=dict)  # subprocess: extra environment (a target dir's PYTHONPATH)
@@ -329,6 +347,10 @@ class Measurement:
     # The KV blocks each group held when the longest request finished, from the server's log (our build with
     # VLLM_DFLASH_LOG_KV_BLOCKS=1; None otherwise): see validate/kvblocks.py.
     kv_blocks: Mapping[str, Any] | None = None
+    # Behind a router: each replica's scrapes (the totals above are their sums), in the order of `replicas`.
+    replicas: tuple[str, ...] = ()
+    replicas_before: tuple[metrics.SpecCounters, ...] = ()
+    replicas_after: tuple[metrics.SpecCounters, ...] = ()
 
     @property
     def delta(self) -> metrics.SpecCounters:
@@ -357,19 +379,40 @@ def measure(
     """Start (or reach) the server, run the prompts, and take the counters around the run."""
     t0 = time.monotonic()
     timings: dict[str, float] = {}
+    replicas = choice.replicas if speculative else ()
     with _server(choice, profile, speculative=speculative) as server:
         timings["server_ready_s"] = time.monotonic() - t0
         t = time.monotonic()
-        before = metrics.scrape(server.base_url)
+        before, each_before = scrape_counters(server.base_url, replicas)
         timings["scrape_before_s"] = time.monotonic() - t
-        run = run_prompts(server.base_url, profile, prompts, show_progress=show)
+        run = run_prompts(server.base_url, profile, prompts, show_progress=show, replicas=replicas)
         t = time.monotonic()
-        after = metrics.scrape(server.base_url)
+        after, each_after = scrape_counters(server.base_url, replicas)
         timings["scrape_after_s"] = time.monotonic() - t
         timings["requests_busy_s"] = run.busy_s
         described = {"base_url": server.base_url, **server.provenance.as_dict()}
         kv = kvblocks.from_log(server.log_path)
-    return Measurement(server=described, before=before, after=after, run=run, timings=timings, kv_blocks=kv)
+    if replicas:
+        problem = metrics.accounting_problem(
+            [a.minus(b) for a, b in zip(each_after, each_before, strict=True)], len(run.completions), replicas
+        )
+        if problem is not None:
+            raise MeasurementError(problem, "pass each replica behind the router once with --metrics")
+    else:
+        problem = metrics.hidden_servers_problem(after.minus(before), len(run.completions), server.base_url)
+        if problem is not None:
+            raise MeasurementError(problem, "pass each replica behind the router with --metrics URL")
+    return Measurement(
+        server=described,
+        before=before,
+        after=after,
+        run=run,
+        timings=timings,
+        kv_blocks=kv,
+        replicas=replicas,
+        replicas_before=each_before,
+        replicas_after=each_after,
+    )
 
 
 def first_difference(got: str, want: str) -> int:
@@ -469,6 +512,11 @@ def validate(
         }
         if m.kv_blocks is not None:
             body["kv_blocks_longest_prompt"] = dict(m.kv_blocks)
+        if m.replicas:
+            body["replicas"] = [
+                {"metrics": f"{url}/metrics", "counters": a.minus(b).as_dict()}
+                for url, b, a in zip(m.replicas, m.replicas_before, m.replicas_after, strict=True)
+            ]
         # MeasurementError on no speculation, zero drafts, or counts no vLLM can produce.
         acc = metrics.acceptance(delta, profile.num_speculative_tokens, profile.method)
         body["acceptance"] = acc.as_dict()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -217,12 +218,19 @@ def _kv_layout(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
         ),
         "max_model_len": int(vllm_config.model_config.max_model_len),
         # What one block id costs in the shared pools (vLLM's own divisor of its KV memory; releases without it: None)
-        "pool_bytes_per_block": (
-            int(pool(kv_cache_config.kv_cache_groups))
-            if (pool := getattr(kv_cache_utils, "_pool_bytes_per_block", None))
-            else None
-        ),
+        "pool_bytes_per_block": _pool_bytes_per_block(kv_cache_utils, vllm_config, kv_cache_config.kv_cache_groups),
     }
+
+
+def _pool_bytes_per_block(kv_cache_utils: Any, vllm_config: Any, groups: Any) -> int | None:
+    """vLLM's own divisor of its KV memory (releases without it: None). 0.25 added the config to its arguments (it
+    decides whether pools are packed), so it is called with what the release's own signature names."""
+    pool = getattr(kv_cache_utils, "_pool_bytes_per_block", None)
+    if pool is None:
+        return None
+    if "vllm_config" in inspect.signature(pool).parameters:
+        return int(pool(vllm_config, groups))
+    return int(pool(groups))
 
 
 def _record_alloc(manager: Any, request: Any, num_new_tokens: int, num_new_computed: int, lookahead: int) -> None:

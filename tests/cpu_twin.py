@@ -1,0 +1,265 @@
+"""Test-only: the CPU twin image (Dockerfile target `cpu`), built once per digest of its inputs into a podman store
+kept in the tool's cache, and its containers run as the stacks run them.
+
+The inputs are the Dockerfile, our CPU wheel (its sha256), the CPU runtime environment (its cache key) and the
+debootstrapped base: the image is tagged `localhost/vllm-dflash-cpu-<key>` and a warm run finds it there. The store
+keeps layers, so a new wheel on the same environment adds one layer (~0.6 GB) and never copies the environment's
+~6 GB again. With the overlay driver (where the kernel mounts it) a container costs no copy of the image; the
+environment's layer shares its files (hard links) with the cache's environment, so the cache holds them once. vfs
+is the fallback where overlay cannot mount: correct, but each layer and container is a full copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from vllm_dflash import envs
+from vllm_dflash.fetch import cache_dir, fetch, sha256_file
+from vllm_dflash.manifest import Manifest
+from vllm_dflash.pipeline import image as img
+from vllm_dflash.pipeline.build import cached_build
+from vllm_dflash.series import read_queues
+from vllm_dflash.validate.server import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = "https://example.invalid/vllm-dflash"
+REPO_PREFIX = "localhost/vllm-dflash-cpu-"
+BASE_REPO = "localhost/vllm-dflash-cpu-base"
+# How podman runs here (tests/test_image.py: PODMAN_RUN, RUN_FLAGS), plus the loopback port the stacks' 8000 maps to.
+PODMAN_RUN = ("--runtime", "runc", "--cgroup-manager", "cgroupfs")
+ULIMITS = ("--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096")
+ARBITRARY_USER = "1000650000:0"  # OpenShift's kind of UID: no passwd entry, group 0
+
+
+def store_root() -> Path:
+    return cache_dir() / "containers" / "cpu-twin"
+
+
+def storage_driver() -> str:
+    """overlay when this kernel mounts an overlay here (as root), else vfs."""
+    probe = Path(tempfile.mkdtemp(prefix="overlay-probe-", dir=cache_dir()))
+    try:
+        for d in ("l", "u", "w", "m"):
+            (probe / d).mkdir()
+        opts = f"lowerdir={probe / 'l'},upperdir={probe / 'u'},workdir={probe / 'w'}"
+        mounted = subprocess.run(
+            ["mount", "-t", "overlay", "overlay", "-o", opts, str(probe / "m")], capture_output=True, check=False
+        )
+        if mounted.returncode != 0:
+            return "vfs"
+        subprocess.run(["umount", str(probe / "m")], capture_output=True, check=False)
+        return "overlay"
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Twin:
+    tag: str
+    digest: str
+    options: img.ImageOptions
+    wheel: Path
+    env: Path
+    built_s: float | None  # None: found in the store (warm)
+    size_bytes: int
+    base_bytes: int
+
+    @property
+    def prefix(self) -> list[str]:
+        return img.tool_prefix("podman", self.options)
+
+
+def _inputs_key(wheel: Path, env: Path, base_tarball: Path, driver: str) -> str:
+    h = hashlib.sha256()
+    for part in (
+        (REPO / "Dockerfile").read_bytes(),
+        sha256_file(wheel).encode(),
+        env.name.encode(),
+        sha256_file(base_tarball).encode(),
+        driver.encode(),
+    ):
+        h.update(hashlib.sha256(part).digest())
+    return h.hexdigest()[:12]
+
+
+def _exists(prefix: Sequence[str], ref: str) -> bool:
+    return subprocess.run([*prefix, "image", "exists", ref], capture_output=True, check=False).returncode == 0
+
+
+def _inspect(prefix: Sequence[str], ref: str) -> dict[str, object]:
+    out = subprocess.run([*prefix, "image", "inspect", ref], check=True, capture_output=True, text=True).stdout
+    data: dict[str, object] = json.loads(out)[0]
+    return data
+
+
+def _share_with_env(prefix: Sequence[str], tag: str, env: Path) -> int:
+    """Hard-link the environment layer's files to the cache's environment (same bytes, mode, owner): the cache then
+    holds them once. Only overlay keeps a layer as a plain directory tree of its own files."""
+    info = _inspect(prefix, tag)
+    driver = info.get("GraphDriver")
+    if not isinstance(driver, dict) or driver.get("Name") != "overlay":
+        return 0
+    data = driver.get("Data") or {}
+    dirs = [*str(data.get("LowerDir") or "").split(":"), str(data.get("UpperDir") or "")]
+    shared = 0
+    for d in (Path(x) for x in dirs if x):
+        venv = d / "opt" / "venv"
+        if (venv / "vllm-dflash-cpu-env").is_file():  # the environment's layer (Dockerfile stage cpu-runtime)
+            shared += envs.share_identical(venv, [env])
+    return shared
+
+
+def _collect(prefix: Sequence[str], keep: str) -> None:
+    """Remove this store's other twin images (unless a container uses one) and the layers only they held, keeping
+    every image the kept one is built on (its cached stages)."""
+    listing = subprocess.run(
+        [*prefix, "images", "-a", "--format", "{{.ID}} {{.Repository}}:{{.Tag}}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.split("\n")
+    keep_ids: set[str] = set()
+    ref: str | None = keep
+    while ref:
+        info = _inspect(prefix, ref)
+        keep_ids.add(str(info["Id"])[:12])
+        ref = str(info.get("Parent") or "") or None
+    for line in listing:
+        if not line.strip():
+            continue
+        image_id, name = line.split(" ", 1)
+        if image_id[:12] in keep_ids or name.startswith(BASE_REPO):
+            continue
+        if name.startswith(REPO_PREFIX) or name.startswith("<none>"):
+            subprocess.run([*prefix, "rmi", image_id], capture_output=True, check=False)
+
+
+def ensure_twin(manifest: Manifest) -> Twin:
+    """The CPU twin of this checkout's CPU build, from the store when its inputs are unchanged."""
+    from test_image import _base_tarball  # the debootstrapped base image, cached
+
+    machine = platform.machine()
+    queues = read_queues(manifest.series_path, manifest.cpu_series_path)
+    wheel = cached_build(manifest, queues, "cpu", "dflash")
+    env = envs.ensure_venv(envs.cpu_base_spec(fetch(manifest.cpu_wheels[machine])))
+    tarball = _base_tarball()
+    root = store_root()
+    root.mkdir(parents=True, exist_ok=True)
+    lock_path = root.parent / ".cpu-twin.lock"
+    with lock_path.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # xdist workers and other runs: one builds, the others find it built
+        driver_file = root / "driver"
+        driver = driver_file.read_text().strip() if driver_file.is_file() else storage_driver()
+        driver_file.write_text(driver)
+        key = _inputs_key(wheel, env, tarball, driver)
+        base = f"{BASE_REPO}:{sha256_file(tarball)[:12]}"
+        opts = img.ImageOptions(
+            target="cpu",
+            tool="podman",
+            storage_root=root,
+            storage_driver=driver,
+            isolation="chroot",
+            repo=f"{REPO_PREFIX}{key}",
+            base_image=base,
+            layers=True,
+            cpu_env=env,
+        )
+        prefix = img.tool_prefix("podman", opts)
+        labels = img.labels_from_wheel(wheel, SOURCE)
+        tag = img.image_tag(labels.version, opts.repo) + "-cpu"
+        built_s: float | None = None
+        if not _exists(prefix, tag):
+            if not _exists(prefix, base):
+                subprocess.run([*prefix, "import", str(tarball), base], check=True, capture_output=True)
+            t0 = time.monotonic()
+            img.build_image(labels, REPO / "Dockerfile", wheel, opts)
+            built_s = time.monotonic() - t0
+            shared = _share_with_env(prefix, tag, env)
+            print(f"CPU twin {tag}: built in {built_s:.0f} s ({driver}); {shared / 2**30:.1f} GiB shared with {env}")
+            _collect(prefix, tag)
+        info = _inspect(prefix, tag)
+        base_info = _inspect(prefix, base)
+        twin = Twin(
+            tag=tag,
+            digest="sha256:" + str(info["Id"]).removeprefix("sha256:"),
+            options=replace(opts),
+            wheel=wheel,
+            env=env,
+            built_s=built_s,
+            size_bytes=int(str(info["Size"])),
+            base_bytes=int(str(base_info["Size"])),
+        )
+    return twin
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running it
+
+
+@dataclass(frozen=True)
+class Container:
+    name: str
+    url: str  # http://127.0.0.1:PORT, the container's 8000
+    command: tuple[str, ...]  # what `podman run` was given after the image name (and its entrypoint)
+
+
+def run_command(
+    twin: Twin,
+    name: str,
+    port: int,
+    args: Sequence[str],
+    entrypoint: Sequence[str] | None = None,
+    env: dict[str, str] | None = None,
+    mounts: Sequence[str] = (),
+    user: str = ARBITRARY_USER,
+    container_port: int = 8000,
+) -> list[str]:
+    """`podman run -d` of the twin by its ID, as a stack runs it: an arbitrary UID in group 0, the server's port
+    published on loopback only, the image's entrypoint unless `entrypoint` overrides it (a Kubernetes `command`)."""
+    cmd = [*twin.prefix, "run", "-d", "--name", name, *PODMAN_RUN, *ULIMITS, "--no-healthcheck"]
+    cmd += ["--user", user, "-p", f"127.0.0.1:{port}:{container_port}"]
+    for mount in mounts:
+        cmd += ["-v", mount]
+    for key, value in sorted((env or {}).items()):
+        cmd += ["-e", f"{key}={value}"]
+    if entrypoint is not None:
+        cmd += ["--entrypoint", json.dumps(list(entrypoint))]
+    return [*cmd, twin.digest, *args]
+
+
+@contextlib.contextmanager
+def container(
+    twin: Twin,
+    args: Sequence[str],
+    entrypoint: Sequence[str] | None = None,
+    env: dict[str, str] | None = None,
+    mounts: Sequence[str] = (),
+    user: str = ARBITRARY_USER,
+    container_port: int = 8000,
+) -> Iterator[Container]:
+    """One running container of the twin; removed afterwards, whatever happened."""
+    name = f"vllm-dflash-twin-{free_port()}-{time.monotonic_ns() % 10**6}"
+    port = free_port()
+    cmd = run_command(twin, name, port, args, entrypoint, env, mounts, user, container_port)
+    print("+ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    try:
+        yield Container(name, f"http://127.0.0.1:{port}", tuple(args))
+    finally:
+        subprocess.run([*twin.prefix, "rm", "-f", "-t", "5", name], capture_output=True, check=False)
+
+
+def logs(twin: Twin, name: str, lines: int = 60) -> str:
+    res = subprocess.run([*twin.prefix, "logs", "--tail", str(lines), name], capture_output=True, text=True)
+    return (res.stdout or "") + (res.stderr or "")
