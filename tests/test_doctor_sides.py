@@ -200,3 +200,82 @@ def test_a_long_batch_of_slow_answers_reaches_the_server_whole(
     with sides.Sides({"toy": toy}, cache=False, idle=30.0) as s:
         got = s.ask(requests)["toy"]
     assert [a["echo"]["n"] for a in got] == list(range(60))
+
+
+def test_two_doctor_runs_at_once_are_both_served(
+    tmp_path: Path, toy: sides.Column, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two doctor runs on one column's server: the second's one config is answered while the first's long batch is
+    still being answered (the server serves each client on its own thread; one client at a time made the second wait
+    for the whole batch, or past the bound), and neither gets the other's answers."""
+    import threading
+
+    slow = TOY.replace('    print("a log', '    import time; time.sleep(0.1)\n    print("a log')
+    (tmp_path / "toy_side.py").write_text(slow)
+    done: dict[str, float] = {}
+    got: dict[str, list[dict[str, Any]]] = {}
+    with sides.Sides({"toy": toy}, cache=False, idle=30.0) as warm:  # the server up before either run
+        warm.ask([{"config": {"n": -1}}])
+
+    def run(name: str, requests: list[dict[str, Any]]) -> None:
+        with sides.Sides({"toy": toy}, cache=False, idle=30.0) as s:
+            got[name] = s.ask(requests)["toy"]
+        done[name] = time.monotonic()
+
+    first = threading.Thread(target=run, args=("long", [{"config": {"n": i}} for i in range(40)]))  # about 4 s
+    first.start()
+    time.sleep(0.5)
+    second = threading.Thread(target=run, args=("short", [{"config": {"n": "short"}}]))
+    second.start()
+    first.join(60)
+    second.join(60)
+    assert [a["echo"]["n"] for a in got["long"]] == list(range(40))
+    assert [a["echo"]["n"] for a in got["short"]] == ["short"]
+    assert done["short"] < done["long"] - 1.0, "the second run waited for the first's whole batch"
+
+
+FAKE_RETRY = """
+ATTEMPTS = []
+
+def with_retry(func, log_msg, max_retries=2, retry_delay=2, fatal_errors=()):
+    for attempt in range(max_retries):
+        ATTEMPTS.append(attempt)
+        try:
+            return func()
+        except Exception:
+            if attempt == max_retries - 1:
+                raise
+"""
+
+FAKE_CONFIG = """
+from .repo_utils import with_retry
+
+def get_config():
+    def parse():
+        raise ValueError("a config this release refuses")
+    return with_retry(parse, "Error parsing config")
+"""
+
+
+def test_a_refused_config_is_parsed_once_in_a_side(tmp_path: Path) -> None:
+    """vLLM 0.33+'s get_config parses through with_retry (two tries, 2 s apart): in a side process the parse is tried
+    once, and what it raises is what the release raises. A fake release of the same shape (the config module holds
+    the function by name, as 0.33.0's and 0.34.0's do), in a subprocess: the side's own process is the only one
+    changed."""
+    pkg = tmp_path / "vllm" / "transformers_utils"
+    pkg.mkdir(parents=True)
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "repo_utils.py").write_text(FAKE_RETRY)
+    (pkg / "config.py").write_text(FAKE_CONFIG)
+    probe = (
+        "from vllm_dflash.doctor.vllm_side import _parse_once\n"
+        "from vllm.transformers_utils import config, repo_utils\n"
+        "_parse_once()\n"
+        "try:\n    config.get_config()\nexcept ValueError as exc:\n    print(len(repo_utils.ATTEMPTS), exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "1 a config this release refuses"

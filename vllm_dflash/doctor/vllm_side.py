@@ -53,6 +53,36 @@ def _err(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}"[:400]
 
 
+def _parse_once() -> None:
+    """vLLM's config parse tried once, as the first try answers. From 0.33 `get_config` parses through
+    `vllm.transformers_utils.repo_utils.with_retry` (2 tries, a 2 s sleep between: "to tolerate a concurrent HF cache
+    refresh briefly hiding config.json"), so every config a release refuses cost 2 s here. The doctor's configs are
+    files it wrote itself into its own temporary directory, which no cache refresh touches, and the parse of a local
+    file is deterministic: the second try raises what the first raised. Replaced in this side process only, in every
+    module that imported it by name (0.20.1 has it too, for hub file lists only: its parse never retried)."""
+    import importlib
+    import inspect
+
+    try:
+        repo_utils = importlib.import_module("vllm.transformers_utils.repo_utils")
+    except ImportError:
+        return
+    retry = getattr(repo_utils, "with_retry", None)
+    if retry is None or "max_retries" not in inspect.signature(retry).parameters:
+        return
+    signature = inspect.signature(retry)
+
+    def once(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["max_retries"] = 1
+        return retry(*bound.args, **bound.kwargs)
+
+    importlib.import_module("vllm.transformers_utils.config")  # the module that parses through it, by name
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vllm") and getattr(module, "with_retry", None) is retry:
+            module.with_retry = once  # type: ignore[attr-defined]
+
+
 def _plain(value: Any) -> Any:
     try:
         return json.loads(json.dumps(value))
@@ -131,6 +161,7 @@ class Side:
             import vllm.triton_utils as tu
 
             tu.HAS_TRITON = True
+        _parse_once()
         from vllm.config import set_current_vllm_config
         from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
         from vllm.engine.arg_utils import EngineArgs
@@ -592,7 +623,7 @@ class _Mark:
 def serve_lines(answer: Any) -> int:
     """JSON lines: a ready line, then one answer line per request line; everything else anything prints goes to
     stderr (vLLM logs to stdout). On stdin/stdout, or (`--serve SOCKET --idle S`) as a server on a unix socket
-    that answers one connection after another and exits after S seconds without one."""
+    that answers every connection at once and exits after S seconds without one."""
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -622,7 +653,11 @@ def _answer_lines(answer: Any, lines: Any, out: Any) -> None:
 
 
 def _serve_socket(answer: Any, ready: Any, path: str, idle: float) -> int:
+    """Every client served at once, each on its own thread (two doctor runs never wait for each other's whole
+    batch), their requests answered one at a time under one lock (vLLM's config state and the runner's environment
+    variable are process-wide). Gone after `idle` seconds with no client connected."""
     import socket
+    import threading
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = f"{path}.{os.getpid()}"
@@ -631,21 +666,40 @@ def _serve_socket(answer: Any, ready: Any, path: str, idle: float) -> int:
     os.replace(tmp, path)  # published whole: a client never connects to a half-made server
     mine = os.stat(path).st_ino
     sock.settimeout(idle)
+    one_at_a_time = threading.Lock()
+    clients = [0]
+    counted = threading.Lock()
+
+    def locked(request: Any) -> Any:
+        with one_at_a_time:
+            return answer(request)
+
+    def serve(conn: Any) -> None:
+        try:
+            # one file to read, one to write: a text file that does both cannot write after reading ahead
+            with conn, conn.makefile("r") as rf, conn.makefile("w", buffering=1) as wf:
+                wf.write(json.dumps({"ready": ready}) + "\n")
+                wf.flush()
+                _answer_lines(locked, rf, wf)
+        except OSError:  # a client that went away (or only checked that we are here)
+            pass
+        finally:
+            with counted:
+                clients[0] -= 1
+
     try:
         while True:
             try:
                 conn, _ = sock.accept()
             except TimeoutError:
-                break
+                with counted:
+                    if clients[0] == 0:
+                        break
+                continue  # idle counts from the last client's end, not while one is served
             conn.settimeout(None)
-            try:
-                # one file to read, one to write: a text file that does both cannot write after reading ahead
-                with conn, conn.makefile("r") as rf, conn.makefile("w", buffering=1) as wf:
-                    wf.write(json.dumps({"ready": ready}) + "\n")
-                    wf.flush()
-                    _answer_lines(answer, rf, wf)
-            except OSError:  # a client that went away (or only checked that we are here): the next one
-                continue
+            with counted:
+                clients[0] += 1
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
     finally:
         with contextlib.suppress(OSError):
             if os.stat(path).st_ino == mine:
