@@ -279,3 +279,17 @@ def test_a_refused_config_is_parsed_once_in_a_side(tmp_path: Path) -> None:
 
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "1 a config this release refuses"
+
+
+def test_a_runner_that_cannot_compute_the_taps_is_a_refusal() -> None:
+    """String target_layer_ids: the drafter builds on the meta device, but the runner's own aux-layer function (called
+    by `vllm serve` in load_model) raises on `"1" + 1`. The column answered both; the reading said "served" (the taps
+    error was dropped), where upstream 0.34.0, computing its fc width with the same function, refused."""
+    rec: dict[str, Any] = {**_answer()["runners"]["default"]}
+    answer = {"vllm_version": "0.20.1", "runners": {"default": rec}}
+    rec["taps_error"] = 'TypeError: can only concatenate str (not "int") to str'
+    r = col.from_vllm(col.OURS, answer)
+    assert r.refusal is not None and r.refusal.stage == "model"
+    assert "aux layers" in r.refusal.line and "concatenate str" in r.refusal.line
+    del rec["taps_error"]
+    assert col.from_vllm(col.OURS, answer).refusal is None

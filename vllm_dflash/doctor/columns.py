@@ -35,6 +35,7 @@ VLLM_BUILDS = (STOCK, OURS, UPSTREAM_V1_LAST, UPSTREAM)
 NOT_BUILT_HERE = ("Failed to find a kernel", "not built here")
 SRC_LOAD = "vllm serve's config loading (EngineArgs.create_engine_config: get_config, ModelConfig, SpeculativeConfig)"
 SRC_BUILD = "the drafter built on the meta device (the loader's initialize_model)"
+SRC_TAPS = "the model runner's load_model (its aux layers from the drafter's config)"
 SRC_REFERENCE = "dflash 0.1.0 (config_class.from_pretrained, the model built on the meta device)"
 
 
@@ -192,6 +193,11 @@ def from_vllm(build: str, answer: Mapping[str, Any], how: str = "") -> Reading:
             "here" if here else "model",
         )
         return Reading(build, None, refusal, taps, **common)
+    if rec.get("taps_error"):
+        # the runner's own aux-layer function raised: `vllm serve` calls it in load_model, so the drafter built on
+        # the meta device is never served (dflash_config.target_layer_ids as strings: `i + 1` on a str)
+        line = f"the model runner's aux layers from the drafter's config: {rec['taps_error']}"
+        return Reading(build, None, Refusal(line, f"vLLM {version}: {SRC_TAPS}", "model"), None, **common)
     return Reading(
         build,
         _layers_vllm(rec),
