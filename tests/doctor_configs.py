@@ -140,6 +140,7 @@ def plausible_config(draw: st.DrawFn) -> dict[str, Any]:
                 st.lists(st.integers(0, 11), min_size=n, max_size=n, unique=True).map(sorted),
                 st.lists(st.integers(0, 11), min_size=n, max_size=n, unique=True).map(sorted),
                 st.lists(st.integers(-2, 11), min_size=n, max_size=n),
+                st.lists(st.integers(0, 11), min_size=n, max_size=n).map(lambda v: [*v[1:], -1]),  # a negative id
                 st.lists(st.integers(0, 11), min_size=n, max_size=n, unique=True).map(lambda v: [float(i) for i in v]),
             ),
             8,  # absent now and then: the runner's default taps against an fc sized for the drafter's layers
