@@ -172,7 +172,15 @@ def _case(name: str, tmp: Path) -> list[str | Path]:
         (d / "model.safetensors.index.json").write_text('{"weight_map": 5}')
         return ["doctor", d]
     assert name == "swa-string"
-    return ["doctor", _q36_dir(tmp / "d", swa_window_size="2048")]
+    # the table entry's first completion (its config alone has no target_layer_ids: the runner's default taps then
+    # misfit the fc, exit 22, whatever swa_window_size says)
+    from vllm_dflash.doctor import table
+
+    entry = table.load_entry(REPO / "vllm_dflash/doctor/checkpoints/z-lab--Qwen3.6-27B-DFlash.json")
+    d = tmp / "d"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({**table.completions(entry)[0][1].config, "swa_window_size": "2048"}))
+    return ["doctor", d]
 
 
 # Refused before any column runs (the quick tier), and one the columns read (a heavy test: warm servers).

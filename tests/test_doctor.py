@@ -378,6 +378,25 @@ def test_cli_verdict_and_json_carry_the_exit_code(
     assert "records no auxiliary hidden states in vLLM 0.20.1" in capsys.readouterr().out
 
 
+def test_two_doctor_runs_at_once_both_finish(tmp_path: Path, doctor_servers: None) -> None:
+    """Two `vllm-dflash doctor` processes started together on configs no column has answered yet share the warm
+    column servers: both finish with their verdict (a server that served one client at a time made the second wait for
+    the first's whole batch, and past its bound on a long one; tests/test_doctor_sides.py shows the ordering)."""
+    import random
+
+    runs = []
+    for i in range(2):
+        cfg = {**q36(), "max_position_embeddings": 1 << 20 | random.randrange(1 << 19)}  # a digest no cache holds
+        d = write_dir(tmp_path / f"d{i}", cfg)
+        js = tmp_path / f"d{i}.json"
+        cmd = [sys.executable, "-m", "vllm_dflash", "--root", str(REPO), "doctor", str(d), "--json", str(js)]
+        runs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), js))
+    for proc, js in runs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 20, err[-2000:]
+        assert "(exit 20)" in out and json.loads(js.read_text())["exit_code"] == 20
+
+
 def test_the_drafters_own_num_target_layers_is_a_note(doctor: Any) -> None:
     """--help: only --target decides a mismatch; num_target_layers in the drafter's config is a note."""
     d = diag({**q36(), "num_target_layers": 48}, doctor)
