@@ -252,12 +252,13 @@ MUTANTS: list[tuple[str, str, str]] = [
         "        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):",
         "        if False:",
     ),
-    # issue 39: a column server outlives a client that only checked it is there (it once died on the probe), and a
-    # field is measured by building without it (a build that refuses either way is no reading of the field)
+    # issue 39: a column server serves two doctor runs at once (one client at a time made the second wait for the
+    # first's whole batch), and a field is measured by building without it (a build that refuses either way is no
+    # reading of the field)
     (
         "vllm_dflash/doctor/vllm_side.py",
-        "            except OSError:  # a client that went away",
-        "            except KeyError:  # a client that went away",
+        "            threading.Thread(target=serve, args=(conn,), daemon=True).start()",
+        "            serve(conn)",  # one client at a time again: a second doctor run waits for the first's batch
     ),
     ("vllm_dflash/doctor/sides.py", "            if not self._connectable():", "            if True:"),
     ("vllm_dflash/doctor/fields.py", "    if not changes and either:", "    if False:"),
