@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,6 +47,8 @@ HEAVY_FIXTURES = frozenset(
         "base_wheel",
         "built",
         "tree_0220",
+        "doctor",
+        "doctor_servers",
     }
 )
 
@@ -222,6 +225,36 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def manifest() -> Manifest:
     return load_manifest(REPO)
+
+
+@pytest.fixture(scope="session")
+def doctor(manifest: Manifest) -> Iterator[Any]:
+    """The doctor reading through every column's own code: the column servers the CLI uses (one process per column
+    for the session and the CLI runs in it alike: their imports are most of a column's cost), answers cached by
+    digest like the CLI's."""
+    from vllm_dflash.doctor.reader import Doctor
+    from vllm_dflash.doctor.sides import Sides, columns, server_idle
+    from vllm_dflash.series import read_queues
+
+    queues = read_queues(manifest.series_path, manifest.cpu_series_path)
+    with Sides(columns(manifest, queues), idle=max(server_idle(), 600.0)) as sides:
+        yield Doctor(sides)
+
+
+@pytest.fixture
+def doctor_servers(manifest: Manifest) -> Iterator[None]:
+    """The CLI's column servers started (and answering) before a test that times or fuzzes `vllm-dflash doctor`:
+    what a warm doctor run is. Per test: a server idle past its timeout since the last test is started again here,
+    not inside the timed run."""
+    from vllm_dflash.doctor.reader import Doctor
+    from vllm_dflash.doctor.sides import Sides, columns, server_idle
+    from vllm_dflash.series import read_queues
+
+    queues = read_queues(manifest.series_path, manifest.cpu_series_path)
+    q36 = json.loads((REPO / "vllm_dflash/doctor/checkpoints/z-lab--Qwen3.6-27B-DFlash.json").read_text())["config"]
+    with Sides(columns(manifest, queues), cache=False, idle=max(server_idle(), 600.0)) as sides:
+        Doctor(sides).read([q36])
+    yield
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """TEST-ONLY: a hypothesis strategy over the drafter-config spelling space the doctor must read (every attention field
 present, absent or odd-typed, lengths off by one, nested dflash_config, model_type qwen3/llama/none, the speculators
-format), and the input classes a generated config belongs to (for the differential test's figures)."""
+format, issue 39's classes and 2026's fields), and the input classes a generated config belongs to (for the
+differential test's figures)."""
 
 from __future__ import annotations
 
@@ -119,6 +120,10 @@ def plausible_config(draw: st.DrawFn) -> dict[str, Any]:
     if odd_size is not ABSENT:
         cfg[odd_size] = draw(st.sampled_from([str(SIZES[odd_size]), float(SIZES[odd_size]), None]))
     rope = draw(_maybe(st.sampled_from(["default", "linear", "bogus_rope"]), 6))
+    for key, value in draw(fields_2026()).items():
+        cfg[key] = value
+    if draw(st.integers(0, 3)) == 0:
+        cfg["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}
     if rope is not ABSENT:
         cfg["rope_parameters"] = {
             "rope_type": rope,
@@ -133,9 +138,12 @@ def plausible_config(draw: st.DrawFn) -> dict[str, Any]:
         "target_layer_ids": _maybe(
             st.one_of(
                 st.lists(st.integers(0, 11), min_size=n, max_size=n, unique=True).map(sorted),
+                st.lists(st.integers(0, 11), min_size=n, max_size=n, unique=True).map(sorted),
                 st.lists(st.integers(-2, 11), min_size=n, max_size=n),
+                st.lists(st.integers(0, 11), min_size=n, max_size=n).map(lambda v: [*v[1:], -1]),  # a negative id
+                st.lists(st.integers(0, 11), min_size=n, max_size=n, unique=True).map(lambda v: [float(i) for i in v]),
             ),
-            0,
+            8,  # absent now and then: the runner's default taps against an fc sized for the drafter's layers
         ),
         "mask_token_id": _maybe(st.sampled_from([200, 200, 200, "200", 10**6]), 0),
         "use_swa": _maybe(st.booleans(), 3),
@@ -143,6 +151,8 @@ def plausible_config(draw: st.DrawFn) -> dict[str, Any]:
         "causal": _maybe(st.booleans(), 3),
         "attention_sink_bias": _maybe(st.sampled_from([True, False, 1, 0]), 5),
         "block_size": _maybe(st.just(16), 3),
+        "sample_from_anchor": _maybe(st.booleans(), 8),
+        "use_aux_hidden_state": _maybe(st.booleans(), 8),
     }.items():
         value = draw(strat)
         if value is not ABSENT:
@@ -152,6 +162,44 @@ def plausible_config(draw: st.DrawFn) -> dict[str, Any]:
     else:
         cfg.update({k: v for k, v in dflash.items() if k in ("target_layer_ids", "mask_token_id")})  # top level only
     return cfg
+
+
+QUANTIZATION = {
+    "nvfp4": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]},
+    "mxfp8": {"quant_method": "modelopt", "quant_algo": "MXFP8", "exclude_modules": ["lm_head"]},
+    "w4a16": {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32},
+                "input_activations": None,
+            }
+        },
+        "ignore": ["lm_head"],
+    },
+}
+
+
+@st.composite
+def fields_2026(draw: st.DrawFn) -> dict[str, Any]:
+    """2026's top-level fields, each now and then: quantized drafters, NoPE layers in both spellings, the rotary
+    layout, a logit scale, an own lm_head, no aux hidden states."""
+    out: dict[str, Any] = {}
+    choices: dict[str, st.SearchStrategy[Any]] = {
+        "quantization_config": st.sampled_from(sorted(QUANTIZATION)).map(lambda k: QUANTIZATION[k]),
+        "no_rope_layers": st.one_of(st.just([0, 2]), st.just([1, 0, 1, 0, 1])),
+        "is_neox_style": st.booleans(),
+        "logit_scale": st.sampled_from([1.0, 0.5]),
+        "has_own_lm_head": st.booleans(),
+        "use_aux_hidden_state": st.booleans(),
+    }
+    for key, strat in choices.items():
+        value = draw(_maybe(strat, 9))
+        if value is not ABSENT:
+            out[key] = value
+    return out
 
 
 @st.composite
@@ -301,4 +349,22 @@ def input_classes(cfg: dict[str, Any]) -> set[str]:
         out.add(f"rope type {cfg['rope_parameters'].get('rope_type')}")
     if "text_config" in cfg:
         out.add("window only in a nested text_config")
+    if isinstance(ids, list) and any(isinstance(i, float) for i in ids):
+        out.add("target_layer_ids as floats")
+    if isinstance(dc, dict) and "target_layer_ids" not in dc and "target_layer_ids" not in cfg:
+        out.add("no target_layer_ids (the runner's default taps)")
+    for key in ("quantization_config", "no_rope_layers", "is_neox_style", "logit_scale", "has_own_lm_head"):
+        if key in cfg:
+            detail = ""
+            if key == "quantization_config":
+                detail = " " + str(cfg[key].get("quant_algo") or cfg[key].get("format"))
+            elif key == "no_rope_layers":
+                detail = " (0/1 per layer)" if len(cfg[key]) == 5 else " (indices)"
+            out.add(f"2026: {key}{detail}")
+    if "use_aux_hidden_state" in cfg or (isinstance(dc, dict) and "use_aux_hidden_state" in dc):
+        out.add("2026: use_aux_hidden_state")
+    if isinstance(dc, dict) and "sample_from_anchor" in dc:
+        out.add("2026: dflash_config.sample_from_anchor")
+    if "auto_map" in cfg:
+        out.add("auto_map (published z-lab configs)")
     return out

@@ -32,7 +32,9 @@ TESTS = [
 TESTS_FOR: dict[str, list[str]] = {
     "vllm_dflash/conformance/compare.py": ["tests/test_conformance.py"],
     "vllm_dflash/doctor/checkpoint.py": ["tests/test_doctor.py"],
-    "vllm_dflash/doctor/ours.py": ["tests/test_doctor.py"],
+    "vllm_dflash/doctor/vllm_side.py": ["tests/test_doctor_sides.py"],
+    "vllm_dflash/doctor/sides.py": ["tests/test_doctor_sides.py"],
+    "vllm_dflash/doctor/fields.py": ["tests/test_doctor_sides.py"],
     "vllm_dflash/proc.py": ["tests/test_proc.py"],
     "vllm_dflash/upstream/ablation.py": ["tests/test_ablation.py"],
     "vllm_dflash/upstream/matrix.py": ["tests/test_pins.py"],
@@ -250,15 +252,20 @@ MUTANTS: list[tuple[str, str, str]] = [
         "        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):",
         "        if False:",
     ),
+    # issue 39: a column server serves two doctor runs at once (one client at a time made the second wait for the
+    # first's whole batch), and a field is measured by building without it (a build that refuses either way is no
+    # reading of the field)
     (
-        "vllm_dflash/doctor/ours.py",
-        "    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:",
-        "    except MemoryError as exc:",
+        "vllm_dflash/doctor/vllm_side.py",
+        "            threading.Thread(target=serve, args=(conn,), daemon=True).start()",
+        "            serve(conn)",  # one client at a time again: a second doctor run waits for the first's batch
     ),
+    ("vllm_dflash/doctor/sides.py", "            if not self._connectable():", "            if True:"),
+    ("vllm_dflash/doctor/fields.py", "    if not changes and either:", "    if False:"),
     (
-        "vllm_dflash/doctor/ours.py",
-        "    except UnicodeDecodeError:\n        raise PatchError",
-        "    except KeyError:\n        raise PatchError",
+        "vllm_dflash/doctor/fields.py",
+        '    if here:\n        return "not computed',
+        '    if False:\n        return "not computed',
     ),
     ("vllm_dflash/proc.py", "    if not any(line.startswith(_TRACE_HEADS) for line in plain):", "    if True:"),
     ("vllm_dflash/proc.py", "    return said + ends[-1:]", "    return said + ends"),

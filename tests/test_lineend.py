@@ -134,13 +134,26 @@ def drafter(**over: Any) -> dict[str, Any]:
     return {**raw, **over}
 
 
-def test_the_drafter_kind_is_the_doctors_upstream_reading() -> None:
-    assert L.drafter_kind(drafter(use_sliding_window=True)) == L.MIXED
-    assert L.drafter_kind(drafter(use_sliding_window=True, layer_types=[F] * 5)) == L.FULL
-    assert L.drafter_kind(drafter(use_sliding_window=True, layer_types=[S] * 5)) == L.SLIDING
+def _kind(doctor: Any, raw: dict[str, Any]) -> str | None:
+    from vllm_dflash.doctor.columns import UPSTREAM
+
+    reading = doctor.read([raw])[0].readings[UPSTREAM]
+    return L.drafter_kind(None if reading.layers is None else [x.kind for x in reading.layers])
+
+
+def test_the_drafter_kind_is_the_doctors_upstream_reading(doctor: Any) -> None:
+    """The kind is what vLLM 0.34.0's own code built (the doctor's upstream column)."""
+    assert _kind(doctor, drafter(use_sliding_window=True)) == L.MIXED
+    assert _kind(doctor, drafter(use_sliding_window=True, layer_types=[F] * 5)) == L.FULL
+    assert _kind(doctor, drafter(use_sliding_window=True, layer_types=[S] * 5)) == L.SLIDING
     # What the doctor's upstream column refuses has no kind: the published file as it is (use_sliding_window false,
     # so transformers drops the window that upstream's sliding layers require).
-    assert L.drafter_kind(drafter()) is None
+    assert _kind(doctor, drafter()) is None
+
+
+def test_the_kind_of_built_layers() -> None:
+    assert L.drafter_kind([S, S, F]) == L.MIXED and L.drafter_kind([F]) == L.FULL and L.drafter_kind([S]) == L.SLIDING
+    assert L.drafter_kind(None) is None
 
 
 @pytest.mark.heavy

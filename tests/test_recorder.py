@@ -99,7 +99,7 @@ def test_it_stores_what_propose_returned_not_the_argmax(classes: tuple[Any, Any,
     runner.propose_draft_token_ids()
     assert _lines(path)[-1]["call"] == 2  # each proposal step its own call number
     layouts = [line["layout"] for line in _all_lines(path) if "layout" in line]
-    assert layouts == [{"windows": [], "aux_layers": None}], "one layout line per record file, first"
+    assert layouts == [{"windows": [], "aux_layers": None, "fed": None}], "one layout line per record file, first"
     assert "layout" in _all_lines(path)[0]
 
 

@@ -46,7 +46,8 @@ UNKNOWN = "unknown"  # not a name the tool makes: shown, never deleted
 
 _HEX12 = r"[0-9a-f]{12}"
 _ENV_NAMES = re.compile(
-    rf"^(?:(?:dflash-ref|vllm-cpu-base|vllm-cuda-{_HEX12})-{_HEX12}|vllm-(?:build|plugin)-{_HEX12})$"
+    rf"^(?:(?:dflash-ref|vllm-cpu-base|vllm-cuda-{_HEX12})-{_HEX12}|vllm-(?:build|plugin)-{_HEX12}"
+    rf"|vllm-(?:src|deps)-[0-9][0-9A-Za-z.+]*-{_HEX12})$"
 )
 _BUILD_NAMES = re.compile(rf"^(?:upstream|cpu)-(?:dflash|stock)-{_HEX12}$")
 _PACKAGE_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*\.(?:whl|tar\.gz|zip)$")
@@ -111,6 +112,9 @@ def reachable(manifest: Manifest, root: Path) -> Reach:
     for rel_name, release in manifest.releases.items():
         reach.add(f"downloads/{release.sdist.filename}", f"release {rel_name} sdist")
         reach.add(f"trees/vllm-{rel_name}-sdist", f"release {rel_name} (upstream --against)")
+        reach.add(f"envs/vllm-src-{rel_name}-{release.sdist.sha256[:12]}", f"release {rel_name} (the doctor's column)")
+    # the doctor's upstream columns: an overlay per release and set of unmet requirements (computed in the runtime)
+    reach.open_kinds["envs/vllm-deps-"] = "kept: the doctor's upstream overlays (keyed by what the runtime lacks)"
     for pin, (m, queues) in views.items():
         reach.add(f"downloads/{m.sdist.filename}", f"pin {pin} sdist")
         for kind, table in (("wheel", m.wheels), ("cpu_wheel", m.cpu_wheels)):
@@ -268,6 +272,7 @@ _UNJUDGED = {
     "image-build": ("other", "an image build's context (removed by the build itself)"),
     "images": ("other", "the test suite's base image"),
     "tools": ("other", "the test suite's tools"),
+    "doctor": ("other", "the doctor's cached answers and its columns' servers (each exits when idle)"),
     "mypy": ("other", "the test suite's mypy cache (tests/test_lint.py; mypy checks each entry against its file)"),
     "containers": ("other", "the test suite's podman store (the CPU twin image, tests/cpu_twin.py)"),
     "cpu-twin-proof.json": ("other", "the test suite's record of the CPU twin's last proof (tests/test_cpu_image.py)"),

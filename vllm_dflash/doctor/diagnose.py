@@ -1,12 +1,13 @@
 """The doctor's document: per drafter layer what each build does, the target layers read, what this build ignores,
 one verdict (with its exit code) and what to do.
 
-    diagnose(checkpoint, our_code, target_layers=None, target_from="", target_architectures=()) -> Diagnosis
+    diagnose(checkpoint, readings, target_layers=None, target_from="", target_architectures=()) -> Diagnosis
 
-This build's column is patch 0002's own resolution run on the config vLLM loads (ours.py, rules.ours); the other
-columns are rules.py, held against the real code by the differential test. The verdict compares this build with
-stock 0.20.1 (this build's reading is the trained semantics: docs/drafter-config.md); what a field does is
-fields.py's table.
+Every column is what its build's own code did with the config (`readings`: columns.py, computed by sides.py): the
+loading, the layers built, the taps, the order the target records them in, the fc width. The verdict compares this
+build with stock 0.20.1 (this build's reading is the trained semantics: docs/drafter-config.md); what a field does is
+fields.py's table, each 2026 field's effect measured by building the drafter without it (fields.measured). What is
+still a rule (no code runs it on a built drafter) says so where it is printed.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vllm_dflash.doctor import columns as col
 from vllm_dflash.doctor import fields as F
-from vllm_dflash.doctor import rules
 from vllm_dflash.doctor.checkpoint import Checkpoint
-from vllm_dflash.doctor.loading import OURS, REFERENCE, STOCK, UPSTREAM
-from vllm_dflash.doctor.ours import OurCode
+from vllm_dflash.doctor.columns import OURS, REFERENCE, STOCK, UPSTREAM, UPSTREAM_V1_LAST
 
 # Verdict classes and their exit codes (docs/doctor.md). 0 and 20 both mean: this build
 # serves the drafter as trained; 20 adds that stock 0.20.1 does not.
@@ -33,7 +33,7 @@ NOT_DFLASH = "not a DFlash drafter"
 MISFIT = "does not fit this target"
 EXIT_CODES = {SERVED: 0, STOCK_MISSERVES: 20, REFUSED: 21, NOT_RUNNABLE: 22, UNREAD: 23, NOT_DFLASH: 24, MISFIT: 18}
 VERDICT_EXIT = EXIT_CODES
-BUILDS = rules.BUILDS
+BUILDS = col.BUILDS
 INSTALL = (
     "install this build's wheel (vllm-dflash build; pip install --no-deps dist/vllm-0.20.1+dflash.*.whl) over your "
     "vLLM 0.20.1"
@@ -66,11 +66,16 @@ class Taps:
     ids_from: str
     ours_aux: list[Any] | None
     stock_aux: list[Any] | None
-    upstream_aux: list[Any] | None
-    reference_layers: list[Any] | None  # output of target layer L
+    upstream_aux: list[Any] | None  # the newest release's (0.34.0)
+    reference_layers: list[Any] | None  # output of target layer L, in the order the reference concatenates them
     target_layers: int | None
     target_from: str
     problems: list[str] = field(default_factory=list)
+    ours_recorded: list[int] | None = None  # the aux indices the target records for this build, in forward order
+    stock_recorded: list[int] | None = None
+    upstream_v1_last_aux: list[Any] | None = None  # 0.33.0's
+    fc_in: int | None = None  # the width of this build's drafter fc, as built
+    fc_fed: int | None = None  # what the target feeds it: recorded taps x the target's hidden size
 
 
 @dataclass(frozen=True)
@@ -80,10 +85,10 @@ class Diagnosis:
     drafter: str  # "DFlash drafter", or what else the config is
     num_layers: int | None
     block_size: int | None
-    resolution_source: str
+    columns: dict[str, str]  # build -> which code computed it, in which environment
     rows: list[LayerRow]
     refusals: dict[str, str]  # build -> the line it prints (builds that do not serve it)
-    upstream_runner: str
+    upstream_runner: dict[str, str]  # upstream build -> which model runner serves it
     taps: Taps
     ignored: list[str]  # fields this build ignores, with what they are
     unknown_fields: list[str]  # fields in no table
@@ -93,6 +98,7 @@ class Diagnosis:
     stock_wrong: dict[str, list[int]]  # "taps" (positions) / "windows" / "causality" (layers)
     stock_words: list[str]  # what stock 0.20.1 does, in plain terms
     advice: list[str]  # what to do
+    layer_types: list[str] | None = None  # as this build's loader filled them (transformers' Qwen3Config)
 
     @property
     def exit_code(self) -> int:
@@ -109,7 +115,7 @@ class Diagnosis:
         return json.dumps({**asdict(self), **extra, "exit_code": code}, indent=1)
 
 
-def _rows(build: str, layers: tuple[rules.Layer, ...], raw: Mapping[str, Any]) -> list[LayerRow]:
+def _rows(build: str, layers: tuple[col.Layer, ...], raw: Mapping[str, Any]) -> list[LayerRow]:
     return [
         LayerRow(
             i,
@@ -170,7 +176,7 @@ def drafter_kind(raw: Mapping[str, Any]) -> str:
     return f"no DFlash drafter config (architectures {json.dumps(archs)}, no dflash_config)"
 
 
-def _dflash_ids(raw: Mapping[str, Any], ours: rules.Reading) -> tuple[list[int] | None, str]:
+def _dflash_ids(raw: Mapping[str, Any]) -> tuple[list[int] | None, str]:
     """The target layers the checkpoint asks for, as output-of-layer ids, and where they are written."""
 
     def ints(v: Any) -> list[int] | None:
@@ -217,13 +223,15 @@ def _outputs(aux: list[Any] | None) -> list[Any] | None:
 SRC_MASK = "vllm 0.20.1 vllm/v1/spec_decode/llm_base_proposer.py _init_parallel_drafting_params"
 
 
-def _mask_token(ours: rules.Reading) -> list[str]:
+def _mask_token(ours: col.Reading, raw: Mapping[str, Any]) -> list[str]:
     """The proposer fills every masked slot with dflash_config.mask_token_id as it is, and the drafter embeds it: a
-    string or an id outside the drafter's vocabulary is no token it can embed (a rule read from the code, not run)."""
+    string or an id outside the vocabulary config.json gives is no token it can embed (a rule read from the code, not
+    run; a vocabulary config.json does not give is the target's, not checked)."""
     dflash = ours.loaded.get("dflash_config") if ours.loaded.attrs else None
     if not isinstance(dflash, Mapping) or "mask_token_id" not in dflash:
         return []
-    mask, vocab = dflash["mask_token_id"], ours.loaded.get("vocab_size")
+    layer = raw.get("transformer_layer_config") if "speculators_model_type" in raw else raw
+    mask, vocab = dflash["mask_token_id"], (layer.get("vocab_size") if isinstance(layer, Mapping) else None)
     if _is_int(mask) and (not _is_int(vocab) or 0 <= mask < vocab):
         return []
     return [
@@ -241,16 +249,12 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-SRC_RECORDED = "vllm 0.20.1 vllm/model_executor/models/interfaces.py EagleModelMixin._maybe_add_hidden_state"
-
-
-def recorded(aux: list[Any], target_layers: int | None) -> list[int] | None:
-    """The aux indices the target's forward records, in its order: `layer_idx in aux_hidden_state_layers` for each
-    layer in turn (SRC_RECORDED): layer order, once each, never a negative index. None when an id is no number."""
-    if not all(isinstance(i, (int, float)) and not isinstance(i, bool) for i in aux):
-        return None
-    top = target_layers if target_layers is not None else int(max(aux, default=-1)) + 1
-    return [k for k in range(max(0, top)) if k in aux]
+SRC_RECORDED = "EagleModelMixin._maybe_add_hidden_state"
+# What no built drafter shows (a rule, said as one where it is printed): which hidden state "the last layer" is.
+SRC_LAST_LAYER = (
+    "rule read from vllm 0.20.1 EagleModelMixin (pre-norm residual stream) and dflash 0.1.0 extract_context_feature "
+    "(hidden_states[L + 1], after the final norm for the last layer), not run"
+)
 
 
 def _span(items: list[int]) -> str:
@@ -258,9 +262,10 @@ def _span(items: list[int]) -> str:
 
 
 def _taps(
-    raw: Mapping[str, Any], readings: Mapping[str, rules.Reading], target_layers: int | None, target_from: str
+    raw: Mapping[str, Any], readings: Mapping[str, col.Reading], target_layers: int | None, target_from: str
 ) -> Taps:
-    ids, ids_from = _dflash_ids(raw, readings[OURS])
+    ids, ids_from = _dflash_ids(raw)
+    ours, stock = readings[OURS], readings[STOCK]
     problems: list[str] = []
     if ids is None and ids_from == "absent":
         problems.append(
@@ -276,22 +281,34 @@ def _taps(
         elif target_layers - 1 in ids:
             problems.append(
                 f"a read of the last target layer ({target_layers - 1}): vLLM takes it before the final norm, the "
-                "reference after it"
+                f"reference after it [{SRC_LAST_LAYER}]"
             )
-    aux = readings[OURS].taps
-    got = recorded(list(aux), target_layers) if aux else None
-    if aux and got is not None and got != list(aux) and not any("outside" in p for p in problems):
+    aux, got = ours.taps, ours.recorded
+    if aux and got is not None and list(got) != list(aux) and not any("outside" in p for p in problems):
         problems.append(
-            f"recorded: the target records its taps in layer order, once each, never a negative index "
-            f"({SRC_RECORDED}, read from the code): this build feeds the drafter's fc the outputs of target layers "
-            f"{_span(_outputs(list(got)) or [])} ({len(got)} taps) where it was trained on "
+            f"recorded: the target records its taps in layer order, once each, never a negative index (its "
+            f"forward's {SRC_RECORDED}, run on the built target): this build feeds the drafter's fc the outputs of "
+            f"target layers {_span(_outputs(list(got)) or [])} ({len(got)} taps) where it was trained on "
             f"{_span(_outputs(list(aux)) or [])} in that order ({len(aux)} taps) -- list target_layer_ids ascending, "
             "each once, each 0 or more"
+        )
+    hidden = ours.target_hidden
+    if ours.target.get("target_stand_in"):  # no --target: the target is as wide as the drafter says it is, as loaded
+        width = ours.loaded.get("target_hidden_size") or ours.loaded.get("hidden_size")
+        hidden = width if isinstance(width, int) and not isinstance(width, bool) else hidden
+    fed = len(got) * hidden if got is not None and hidden else None
+    if ours.fc_in is not None and fed is not None and ours.fc_in != fed and not any("outside" in p for p in problems):
+        default = "the target model's default aux layers"
+        where = "from the config" if aux and ours.taps_from != default else "its default"
+        problems.append(
+            f"fc width: this build's drafter fc takes {ours.fc_in} features ({ours.fc_in / (hidden or 1):g} hidden "
+            f"states of {hidden}), but the target records {len(got or [])} taps ({where}): {fed} features -- give "
+            "dflash_config.target_layer_ids the layers the drafter was trained on"
         )
     layer = raw.get("transformer_layer_config") if "speculators_model_type" in raw else raw
     n_target = layer.get("num_target_layers") if isinstance(layer, Mapping) else None
     if target_layers is None and isinstance(n_target, int) and not isinstance(n_target, bool) and ids is not None:
-        bad = [i for i in ids if not 0 <= i < n_target]
+        bad = [i for i in ids if isinstance(i, int) and not 0 <= i < n_target]
         if bad:
             problems.append(
                 f"note: target_layer_ids {bad} lie beyond the drafter's own num_target_layers {n_target} (pass "
@@ -300,26 +317,31 @@ def _taps(
         elif n_target - 1 in ids:
             problems.append(
                 f"a read of the last target layer ({n_target - 1}, from the drafter's own num_target_layers): vLLM "
-                "takes it before the final norm, the reference after it"
+                f"takes it before the final norm, the reference after it [{SRC_LAST_LAYER}]"
             )
     return Taps(
         ids,
         ids_from,
-        readings[OURS].taps,
-        readings[STOCK].taps,
+        ours.taps,
+        stock.taps,
         readings[UPSTREAM].taps,
         readings[REFERENCE].taps,
         target_layers,
         target_from,
         problems,
+        ours_recorded=list(got) if got is not None else None,
+        stock_recorded=list(stock.recorded) if stock.recorded is not None else None,
+        upstream_v1_last_aux=readings[UPSTREAM_V1_LAST].taps,
+        fc_in=ours.fc_in,
+        fc_fed=fed,
     )
 
 
-def _stock_words(ours: rules.Reading, stock: rules.Reading, taps: Taps, wrong: dict[str, list[int]]) -> list[str]:
+def _stock_words(ours: col.Reading, stock: col.Reading, taps: Taps, wrong: dict[str, list[int]]) -> list[str]:
     out = []
     if "taps" in wrong and taps.ours_aux is not None and taps.stock_aux is not None:
         # What stock's target records (an aux index -1 never is), not the list it was given.
-        fed = recorded(list(taps.stock_aux), taps.target_layers) or list(taps.stock_aux)
+        fed = taps.stock_recorded if taps.stock_recorded is not None else list(taps.stock_aux)
         lost = len(taps.stock_aux) - len(fed)
         out.append(
             f"stock vLLM 0.20.1 feeds the drafter the outputs of target layers {_layers(_outputs(fed) or [])}"
@@ -350,13 +372,15 @@ def _stock_words(ours: rules.Reading, stock: rules.Reading, taps: Taps, wrong: d
 
 def diagnose(
     ck: Checkpoint,
-    code: OurCode,
+    readings: Mapping[str, col.Reading],
     target_layers: int | None = None,
     target_from: str = "",
     target_architectures: tuple[str, ...] = (),
+    measured: Mapping[str, F.Measured] | None = None,
 ) -> Diagnosis:
+    """`readings`: each build's own reading of `ck` (sides.read); `measured`: each 2026 field's effect, measured by
+    building the drafter without it (fields.measure)."""
     raw = ck.config
-    readings = {b: rules.read(b, raw, code) for b in BUILDS}
     ours, stock = readings[OURS], readings[STOCK]
     archs = raw.get("architectures")
     arch = "/".join(str(a) for a in archs) if isinstance(archs, list) else json.dumps(archs)
@@ -365,23 +389,39 @@ def diagnose(
     for build in BUILDS:
         r = readings[build]
         if r.refusal is not None:
-            refusals[build] = f"{r.refusal.line} [{r.refusal.source}]"
+            refusals[build] = f"{r.refusal.line} [{r.refusal.source}]" if r.refusal.source else r.refusal.line
         elif r.layers is not None:
             rows += _rows(build, r.layers, raw)
-    up = readings[UPSTREAM]
-    runner = up.runner if up.refusal is None else "refused"
+    runners = {
+        b: readings[b].runner if readings[b].refusal is None else "refused" for b in (UPSTREAM_V1_LAST, UPSTREAM)
+    }
     taps = _taps(raw, readings, target_layers, target_from)
-    table = F.classify(raw, ck.files, ck.tensors)
+    table = F.classify(raw, ck.files, ck.tensors, measured)
     ignored = [f"{h.name} = {h.value} ({h.feature.what}; read by {h.feature.reader})" for h in table.blocking]
     ignored += table.harmless
     unknown = [u for u in table.unknown if not ck.unknown or u.split(" = ", 1)[0] not in ck.unknown]
     blocking = list(dict.fromkeys(f"{h.feature.what} ({h.name}): {h.feature.reader}" for h in table.blocking))
-    if target_architectures and not rules.runs_on_stock(target_architectures):
-        blocking.append(
-            f"target {'/'.join(target_architectures)} records no auxiliary hidden states in vLLM 0.20.1 "
-            f"(no SupportsEagle3) [{rules.SRC_AUX_TARGETS}]: a vLLM release whose model implements it (not checked)"
+    target = ours.target
+    registry = target.get("target_registry") or {}
+    built = target.get("target_supports_eagle3") is False and not target.get("target_stand_in")
+    # not built (vLLM cannot load the --target config): every architecture it names has no model, or no Eagle3
+    listed = bool(target.get("target_stand_in")) and bool(registry) and not any(registry.values())
+    if target_architectures and (built or listed):
+        how = (
+            f"its model {target.get('target_class')} does not implement SupportsEagle3 (built here)"
+            if built
+            else f"vLLM 0.20.1's registry: {', '.join(f'{a} {_eagle3_words(v)}' for a, v in registry.items())}"
         )
-    blocking += _mask_token(ours)
+        blocking.append(
+            f"target {'/'.join(target_architectures)} records no auxiliary hidden states in vLLM 0.20.1: {how} -- a "
+            "vLLM release whose model implements it (not checked)"
+        )
+    blocking += _mask_token(ours, raw)
+    if target.get("target_load_error"):
+        taps.problems.append(
+            f"note: vLLM cannot load the --target config ({target['target_load_error']}): the drafter was read beside "
+            "a stand-in target of its own sizes"
+        )
     kind = drafter_kind(raw)
     layer = raw.get("transformer_layer_config") if ck.speculators else raw
     dflash = (layer.get("dflash_config") if isinstance(layer, Mapping) else None) or {}
@@ -397,7 +437,7 @@ def diagnose(
         klass, verdict = NOT_DFLASH, f"{NOT_DFLASH}: this is {kind}"
         advice.append("the doctor checks DFlash drafters (architectures DFlashDraftModel): pass one")
     elif ours.refusal is not None and ours.refusal.stage == "load":
-        every = all(_refused_at_load(readings[b]) for b in (STOCK, UPSTREAM))
+        every = all(_refused_at_load(readings[b]) for b in (STOCK, UPSTREAM_V1_LAST, UPSTREAM))
         who = "every vLLM build" if every else "this build"
         klass, verdict = REFUSED, f"{REFUSED}: {who} refuses to load the config: {ours.refusal.line}"
         advice.append("fix that field in the drafter's config.json (the reason names it), then run the doctor again")
@@ -405,22 +445,31 @@ def diagnose(
         klass = MISFIT
         verdict = f"{MISFIT}: " + next(p for p in taps.problems if "outside" in p)
         advice.append("pair the drafter with the target it was trained for (--target), or fix target_layer_ids")
-    elif any(p.startswith("recorded: ") for p in taps.problems):
+    elif any(p.startswith(("recorded: ", "fc width: ")) for p in taps.problems):
         klass = NOT_RUNNABLE
-        verdict = f"{NOT_RUNNABLE}: " + next(p for p in taps.problems if p.startswith("recorded: "))[10:]
+        verdict = f"{NOT_RUNNABLE}: " + "; ".join(
+            p.removeprefix("recorded: ") for p in taps.problems if p.startswith(("recorded: ", "fc width: "))
+        )
         advice.append("fix target_layer_ids as the line says (the fc's inputs follow the recorded order)")
     elif ours.refusal is not None and ours.refusal.stage == "class":
-        up_model = up.model if up.refusal is None else ""
-        where = f"{UPSTREAM_NAME} serves it ({up_model}, {runner})" if up_model else "no vLLM release we know"
+        serving = [(b, readings[b]) for b in (UPSTREAM, UPSTREAM_V1_LAST) if readings[b].refusal is None]
+        where = (
+            f"vLLM {serving[0][1].version} serves it ({serving[0][1].model}, {runners[serving[0][0]]})"
+            if serving
+            else "no vLLM release we know"
+        )
         blocking.insert(0, f"{ours.refusal.line} in vLLM 0.20.1 (this build neither): {where}")
         klass, verdict = NOT_RUNNABLE, f"{NOT_RUNNABLE}: " + "; ".join(blocking)
-        advice.append("serve it with the release named above" if up_model else "check the drafter's architectures")
+        advice.append("serve it with the release named above" if serving else "check the drafter's architectures")
     elif blocking:
         klass, verdict = NOT_RUNNABLE, f"{NOT_RUNNABLE}: " + "; ".join(blocking)
         advice.append(
             "this build (and stock 0.20.1) would ignore the fields above and compute something else than the drafter "
             "was trained to: serve it with the release that reads them"
         )
+    elif ours.refusal is not None and ours.refusal.stage == "here":
+        klass, verdict = NOT_RUNNABLE, f"{NOT_RUNNABLE}: {ours.refusal.line}"
+        advice.append("check the drafter on a machine that builds its layers (a GPU), or with --prove")
     elif ours.refusal is not None:
         klass, verdict = REFUSED, f"{REFUSED}: {ours.refusal.line}"
         advice.append("change the field the line names in the drafter's config.json, then run the doctor again")
@@ -430,7 +479,9 @@ def diagnose(
             words.append(f"stock vLLM 0.20.1 does not start with it: {stock.refusal.line}")
         else:
             assert ours.layers is not None and stock.layers is not None
-            pos = _positions(taps.ours_aux, taps.stock_aux)
+            fed_ours = taps.ours_recorded if taps.ours_recorded is not None else taps.ours_aux
+            fed_stock = taps.stock_recorded if taps.stock_recorded is not None else taps.stock_aux
+            pos = _positions(fed_ours, fed_stock)
             if pos:
                 wrong["taps"] = pos
             wrong["windows"] = [
@@ -467,35 +518,50 @@ def diagnose(
         drafter=kind or "DFlash drafter",
         num_layers=n if isinstance(n, int) and not isinstance(n, bool) else None,
         block_size=block if isinstance(block, int) and not isinstance(block, bool) and block > 1 else None,
-        resolution_source=code.source,
+        columns={b: readings[b].how for b in BUILDS},
         rows=rows,
         refusals=refusals,
-        upstream_runner=runner,
+        upstream_runner=runners,
         taps=taps,
         ignored=ignored,
         unknown_fields=unknown,
-        not_runnable=blocking if klass == NOT_RUNNABLE else [],
+        not_runnable=(blocking or [verdict.removeprefix(f"{NOT_RUNNABLE}: ")]) if klass == NOT_RUNNABLE else [],
         verdict_class=klass,
         verdict=verdict,
         stock_wrong=wrong,
         stock_words=words,
         advice=advice,
+        layer_types=_layer_types(ours),
     )
 
 
-UPSTREAM_NAME = "vLLM 0.33.0"
+def _eagle3_words(value: Any) -> str:
+    return "has no model" if value is None else "implements SupportsEagle3" if value else "no SupportsEagle3"
 
 
-def _refused_at_load(r: rules.Reading) -> bool:
+def _layer_types(r: col.Reading) -> list[str] | None:
+    got = r.loaded.get("layer_types")
+    return [str(k) for k in got] if isinstance(got, list) else None
+
+
+def _refused_at_load(r: col.Reading) -> bool:
     return r.refusal is not None and r.refusal.stage == "load"
 
 
-def _windowed(r: rules.Reading) -> bool:
+def _windowed(r: col.Reading) -> bool:
     return any(x.window is not None or x.causal for x in r.layers or ())
 
 
 def _window(row: LayerRow) -> str:
     return "-" if row.window is None else f"{row.window} ({row.window_from})"
+
+
+_TAP_WORDS = (
+    ("this build", "ours_aux"),
+    ("stock 0.20.1", "stock_aux"),
+    ("upstream 0.33.0", "upstream_v1_last_aux"),
+    ("upstream 0.34.0", "upstream_aux"),
+)
 
 
 def render_text(d: Diagnosis) -> str:
@@ -506,7 +572,9 @@ def render_text(d: Diagnosis) -> str:
         head += f", {d.num_layers} layers"
     if d.block_size:
         head += f", block_size {d.block_size} (serve with num_speculative_tokens {d.block_size - 1})"
-    out += [head, f"  this build's resolution: {d.resolution_source} (the patch's own code)", ""]
+    out += [head, "  each column is its build's own code, run (the drafter built on the meta device):"]
+    out += [f"    {b + ':':17} {how}" for b, how in d.columns.items() if how]
+    out.append("")
     cols = ("layer", "build", "kind (from)", "window (from)", "causal (from)", "backend window")
     table = [cols]
     order = {b: i for i, b in enumerate(BUILDS)}
@@ -516,10 +584,6 @@ def render_text(d: Diagnosis) -> str:
     if len(table) > 1:
         widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
         out += ["  " + "  ".join(c.ljust(w) for c, w in zip(t, widths, strict=True)).rstrip() for t in table]
-    out.append(
-        f"  sources: stock [{rules.SRC_STOCK_MODEL}; {rules.SRC_STOCK_PROPOSER}]; upstream [{rules.SRC_UPSTREAM}];"
-    )
-    out.append(f"           reference [{rules.SRC_REFERENCE}]")
     if any("filled by transformers" in r.kind_from for r in d.rows):
         out.append(
             "  layer_types is not in config.json: transformers fills it (sliding from index max_window_layers on "
@@ -527,25 +591,27 @@ def render_text(d: Diagnosis) -> str:
         )
     for build, line in d.refusals.items():
         out.append(f"  {build}: does not serve it: {line}")
-    if UPSTREAM not in d.refusals and d.upstream_runner:
-        out.append(f"  upstream 0.33 runner: {d.upstream_runner}")
+    for build, runner in d.upstream_runner.items():
+        if build not in d.refusals and runner:
+            out.append(f"  {build} runner: {runner}")
     t = d.taps
     out += ["", f"target layers the drafter reads: {t.dflash_ids} ({t.ids_from}) -- the outputs of these target layers"]
     if t.target_layers is not None:
         out.append(f"  target: {t.target_layers} layers ({t.target_from})")
-    for build, aux, src in (
-        ("this build", t.ours_aux, rules.SRC_OURS_TAPS),
-        ("stock 0.20.1", t.stock_aux, rules.SRC_STOCK_TAPS),
-        ("upstream 0.33", t.upstream_aux, rules.SRC_UPSTREAM_TAPS),
-    ):
+    for build, attr in _TAP_WORDS:
+        aux = getattr(t, attr)
         if build in d.refusals and aux is None:
             continue
         if aux is None:
-            out.append(f"  {build + ':':15} the target model's default layers (no ids it reads)")
+            out.append(f"  {build + ':':16} the target model's default layers (no ids it reads)")
         else:
-            out.append(f"  {build + ':':15} outputs of layers {_outputs(aux)} (vLLM aux indices {aux}) [{src}]")
+            out.append(f"  {build + ':':16} outputs of layers {_outputs(aux)} (vLLM aux indices {aux})")
+    if t.ours_recorded is not None:
+        out.append(f"  {'recorded:':16} this build's target records aux {t.ours_recorded}, in its forward's order")
+    if t.fc_in is not None:
+        out.append(f"  {'fc:':16} this build's drafter fc takes {t.fc_in} features; the target feeds {t.fc_fed}")
     if t.reference_layers is not None:
-        out.append(f"  {'reference 0.1.0:':15} outputs of layers {t.reference_layers} [{rules.SRC_REFERENCE_IDS}]")
+        out.append(f"  {'reference 0.1.0:':16} outputs of layers {t.reference_layers}, concatenated in that order")
     out += [f"  ! {p}" for p in t.problems]
     if d.ignored or d.unknown_fields:
         out += ["", "carried by the checkpoint, not used by this build:"]

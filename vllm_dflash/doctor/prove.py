@@ -36,8 +36,7 @@ from vllm_dflash.conformance.compare import (
 )
 from vllm_dflash.doctor import diagnose as D
 from vllm_dflash.doctor.checkpoint import Checkpoint
-from vllm_dflash.doctor.loading import OURS, STOCK, UPSTREAM
-from vllm_dflash.doctor.ours import OurCode
+from vllm_dflash.doctor.columns import OURS, REFERENCE, STOCK, UPSTREAM, UPSTREAM_V1_LAST
 from vllm_dflash.errors import CheckpointError
 from vllm_dflash.manifest import Manifest
 from vllm_dflash.series import Queues
@@ -46,15 +45,22 @@ MAX_TARGET_LAYERS = 64  # the largest tiny target (the `real-shape` case's): tap
 WINDOW_PER_2048 = 24
 
 
+NOT_RUN = "not run"
+
+
 @dataclass(frozen=True)
 class Claim:
     what: str
     expected: Any
-    got: Any
+    got: Any  # NOT_RUN: nothing the twin did answers it (its build did not serve the twin, or recorded nothing)
+
+    @property
+    def ran(self) -> bool:
+        return self.got is not None and self.got != NOT_RUN
 
     @property
     def holds(self) -> bool:
-        return bool(self.expected == self.got)
+        return self.ran and bool(self.expected == self.got)
 
 
 @dataclass(frozen=True)
@@ -66,16 +72,21 @@ class ProveResult:
 
     @property
     def failed(self) -> list[Claim]:
-        return [c for c in self.claims if not c.holds]
+        return [c for c in self.claims if c.ran and not c.holds]
+
+    @property
+    def not_run(self) -> list[Claim]:
+        return [c for c in self.claims if not c.ran]
 
     @property
     def ok(self) -> bool:
-        return self.conformance.verdict == "pass" and not self.failed
+        return self.conformance.verdict == "pass" and not self.failed and not self.not_run
 
     @property
     def exit_code(self) -> int:
-        """1 when a claim or verdict is wrong; the conformance run's own code (19: a case cannot run here)."""
-        if self.failed:
+        """1 when a claim or verdict is wrong or a claim did not run; the conformance run's own code (19: a case
+        cannot run here)."""
+        if self.failed or (self.not_run and not self.conformance.exit_code):
             return FAILED_EXIT
         return self.conformance.exit_code or (0 if self.ok else FAILED_EXIT)
 
@@ -114,7 +125,7 @@ def twin_spec(ck: Checkpoint, d: D.Diagnosis) -> tuple[C.CaseSpec, list[str]]:
     ours = [r for r in d.rows if r.build == OURS]
     n = d.num_layers or len(ours)
     kept: list[str] = [f"{n} drafter layers"]
-    kinds = _declared_kinds(ck) or [C.FULL] * n
+    kinds = d.layer_types or [C.FULL] * n
     spelling, first = _layer_spelling(raw, kinds)
     where = f"sliding from layer {first}" if spelling == "filled" else "all full"
     kept.append(
@@ -182,14 +193,6 @@ def twin_spec(ck: Checkpoint, d: D.Diagnosis) -> tuple[C.CaseSpec, list[str]]:
     if spec.reference_attention != spec.attention:
         negatives.append(C.NEG_REFERENCE_LITERAL)
     return replace(spec, negatives=tuple(dict.fromkeys(negatives))), kept
-
-
-def _declared_kinds(ck: Checkpoint) -> list[str]:
-    """The layer kinds as this build's loader has them (transformers' filling included), before use_swa."""
-    from vllm_dflash.doctor import rules
-
-    got = rules.read(STOCK, ck.config).loaded.get("layer_types")
-    return [str(k) for k in got] if isinstance(got, list) else []
 
 
 # ---- the claims -------------------------------------------------------------------------------------------------
@@ -266,6 +269,14 @@ def claims(
             (patched.get("layout") or {}).get("aux_layers"),
         )
     )
+    if twin is not None:  # what the fc receives, in order: the doctor's twin reading against the served target
+        out.append(
+            Claim(
+                "this build: the target layers the drafter's fc receives, in the order it receives them",
+                twin.taps.ours_recorded,
+                (patched.get("layout") or {}).get("fed"),
+            )
+        )
     if spec.refusal or "stock" not in spec.builds:
         return out + _shape(d, twin)
     stock_served = (stock.get("layout") or {}).get("windows")
@@ -299,6 +310,36 @@ def claims(
     return out + _shape(d, twin)
 
 
+# What a twin scales (sizes) or spells its own way (where the window and ids sit): not expected in its config.json.
+_SCALED = frozenset(
+    {
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+        "max_position_embeddings", "rms_norm_eps", "num_target_layers", "transformers_version", "dtype", "torch_dtype",
+        "bos_token_id", "eos_token_id", "pad_token_id", "sliding_window", "use_sliding_window", "max_window_layers",
+        "layer_types", "target_layer_ids", "mask_token_id", "block_size", "swa_window_size", "rope_theta",
+        "rope_scaling", "rope_parameters", "initializer_range", "tie_word_embeddings", "architectures", "model_type",
+        "num_hidden_layers", "attention_bias", "attention_dropout", "hidden_act", "use_cache", "auto_map",
+    }
+)  # fmt: skip
+
+
+def kept_fields(user: Any, twin: Any) -> list[str]:
+    """Fields of the user's config (top level and dflash_config) the twin's config.json does not carry, sizes and
+    the spellings a twin writes its own way aside: what the twin would silently drop."""
+
+    def names(cfg: Any) -> set[str]:
+        if not isinstance(cfg, dict):
+            return set()
+        layer = cfg.get("transformer_layer_config") if "speculators_model_type" in cfg else cfg
+        layer = layer if isinstance(layer, dict) else {}
+        out = {k for k in (*cfg, *layer) if k not in ("dflash_config", "transformer_layer_config")}
+        dflash = layer.get("dflash_config")
+        out |= {f"dflash_config.{k}" for k in dflash} if isinstance(dflash, dict) else set()
+        return {n for n in out if n.split(".")[-1] not in _SCALED}
+
+    return sorted(names(user) - names(twin))
+
+
 def _shape(d: D.Diagnosis, twin: D.Diagnosis | None) -> list[Claim]:
     """The twin's own reading (its config.json through the doctor) has the user's shape: per layer kind, causality,
     whether it is windowed and where the window comes from; the same wrong target layers and verdict."""
@@ -308,7 +349,7 @@ def _shape(d: D.Diagnosis, twin: D.Diagnosis | None) -> list[Claim]:
         rows = [
             (r.build, r.layer, r.kind, r.kind_from, r.window is not None, r.window_from, r.causal, r.causal_from)
             for r in x.rows
-            if r.build in (STOCK, OURS, UPSTREAM)
+            if r.build in (STOCK, OURS, UPSTREAM_V1_LAST, UPSTREAM)
         ]
         return rows, x.stock_wrong.get("taps"), x.verdict_class
 
@@ -328,7 +369,7 @@ def _first_difference(expected: Any, got: Any) -> str:
 
 
 def prove(
-    manifest: Manifest, queues: Queues, ck: Checkpoint, d: D.Diagnosis, code: OurCode, spec: C.CaseSpec | None = None
+    manifest: Manifest, queues: Queues, ck: Checkpoint, d: D.Diagnosis, doc: Any, spec: C.CaseSpec | None = None
 ) -> ProveResult:
     """Run the twin (`spec` overrides it: a negative control builds a deliberately wrong twin) and check the claims."""
     twin_of_user, kept = twin_spec(ck, d)
@@ -340,27 +381,43 @@ def prove(
     summaries = {b: _summary(work / b / f"{spec.name}.jsonl") for b in ("patched", "stock")}
     twin_config = case_dir(spec) / "drafter" / "config.json"
     twin = None
+    dropped: Any = NOT_RUN
     if twin_config.is_file():
         raw = json.loads(twin_config.read_text())
-        twin = D.diagnose(
+        dropped = kept_fields(dict(ck.config), raw)
+        twin = doc.diagnose(
             Checkpoint(str(twin_config), raw, speculators="speculators_model_type" in raw),
-            code,
             spec.target_layers,
             "the twin's target",
         )
-    return ProveResult(spec, kept, result, claims(d, spec, summaries, twin))
+    keeps = Claim("the twin carries every field of the user's config (sizes scaled)", [], dropped)
+    # The reference run: conformance's oracle loads the twin with dflash 0.1.0 (weights and all) and refuses to run
+    # unless its layers read what cases.py says the reference reads (spec.reference_attention).
+    ran = result.verdict in ("pass", "fail")
+    reference = Claim(
+        "reference 0.1.0: window and causality of each layer (the doctor's meta-device reading against the reference "
+        "run's)",
+        [[r.window, r.causal] for r in twin.rows if r.build == REFERENCE] if twin is not None else NOT_RUN,
+        [[w, bool(c)] for w, c in spec.reference_attention] if ran else NOT_RUN,
+    )
+    return ProveResult(spec, kept, result, [*claims(d, spec, summaries, twin), keeps, reference])
 
 
-def render_prove(result: ProveResult) -> None:
+def render_prove(result: ProveResult, exit_code: int | None = None) -> None:
+    """Each claim as predicted, NOT as predicted, or not run; the summary carries `exit_code`, the process's own."""
     render(result.conformance)
     for c in result.claims:
-        if c.holds:
+        if not c.ran:
+            print(f"--prove: NOT RUN: {c.what} (the twin gave nothing to check it against)")
+        elif c.holds:
             print(f"--prove: as predicted: {c.what}")
         else:
             where = _first_difference(c.expected, c.got)
             print(f"--prove: NOT as predicted: {c.what} (the doctor's claim / the twin's, where they differ: {where})")
     verdict = result.conformance.verdict
+    held = len(result.claims) - len(result.failed) - len(result.not_run)
+    code = result.exit_code if exit_code is None else exit_code
     print(
-        f"--prove: {len(result.claims) - len(result.failed)}/{len(result.claims)} claims as predicted; conformance "
-        f"{verdict}; " + ("as predicted" if result.ok else "NOT as predicted") + f" (exit {result.exit_code})"
+        f"--prove: {held}/{len(result.claims)} claims as predicted, {len(result.not_run)} not run; conformance "
+        f"{verdict}; " + ("as predicted" if result.ok else "NOT as predicted") + f" (exit {code})"
     )

@@ -8,7 +8,7 @@ Both halves are computed from release code: the removal from the target tree its
 spec-decode proposers are absent, or its platform code raises for V1), and Y from the sources of every release this
 checkout pins (dist.toml [releases] and the pins, each sdist hash-verified), read by the probes below: the first
 release whose V2 model runner serves the drafter's kind. The kind of a given drafter config is the doctor's upstream
-reading of it (doctor/rules.py), the same one `vllm-dflash doctor` prints in its upstream column.
+column for it (vLLM 0.34.0's own code building the drafter, doctor/sides.py), the one `vllm-dflash doctor` prints.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from typing import Any
 
 from packaging.version import Version
 
-from vllm_dflash.doctor import rules
-from vllm_dflash.doctor.loading import FULL as FULL_LAYER
-from vllm_dflash.doctor.loading import SLIDING as SLIDING_LAYER
+from vllm_dflash.doctor.columns import FULL as FULL_LAYER
+from vllm_dflash.doctor.columns import SLIDING as SLIDING_LAYER
 from vllm_dflash.errors import PinMismatchError
 from vllm_dflash.manifest import Manifest, Release
 
@@ -132,12 +131,11 @@ def serving(version: str, read: Reader) -> Serving:
     )
 
 
-def drafter_kind(raw: Mapping[str, Any]) -> str | None:
-    """The kind of a drafter config as the doctor's upstream column reads it (None: upstream does not build it)."""
-    reading = rules.upstream(raw)
-    if reading.layers is None:
+def drafter_kind(kinds_per_layer: Iterable[str] | None) -> str | None:
+    """The kind of a drafter from the kinds of the layers the doctor's upstream column built (None: not built)."""
+    if kinds_per_layer is None:
         return None
-    kinds = {layer.kind for layer in reading.layers}
+    kinds = set(kinds_per_layer)
     if kinds == {FULL_LAYER}:
         return FULL
     return SLIDING if kinds == {SLIDING_LAYER} else MIXED

@@ -151,7 +151,26 @@ def _layout(runner: Any) -> dict[str, Any]:
     aux = getattr(getattr(target, "model", target), "aux_hidden_state_layers", None)
     if aux is None and target is not None and hasattr(target, "get_language_model"):
         aux = getattr(getattr(target.get_language_model(), "model", None), "aux_hidden_state_layers", None)
-    return {"windows": windows, "aux_layers": None if aux is None else [int(a) for a in aux]}
+    return {"windows": windows, "aux_layers": None if aux is None else [int(a) for a in aux], "fed": _fed(target)}
+
+
+class _Mark:
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _fed(target: Any) -> list[int] | None:
+    """The aux indices the loaded target records, in the order its forward hands them to the drafter's fc: its own
+    EagleModelMixin._maybe_add_hidden_state, called with 0 before the first layer and i + 1 after layer i."""
+    lm = target.get_language_model() if hasattr(target, "get_language_model") else target
+    inner = getattr(lm, "model", None)
+    add, layers = getattr(inner, "_maybe_add_hidden_state", None), getattr(inner, "layers", None)
+    if add is None or layers is None:
+        return None
+    marks: list[Any] = add([], 0, _Mark(0), None)
+    for i in range(len(layers)):
+        marks = add(marks, i + 1, _Mark(i + 1), None)
+    return [m.index for m in marks]
 
 
 def _write_layout(runner: Any) -> None:
