@@ -914,6 +914,24 @@ def test_context_takes_the_serve_arguments() -> None:
         kvcache.serve_shape(["--max-num-batched-tokens", "lots"], "x")
 
 
+@pytest.mark.parametrize(
+    ("extra", "max_model_len"),
+    [([], 131072), (["--max-model-len", "65536"], 65536)],
+)
+def test_context_wins_over_the_profiles_max_model_len(extra: list[str], max_model_len: int) -> None:
+    """`--context 131072 --profile qwen3.6-27b` sizes at 131,072 tokens with the profile's other serve arguments (its
+    own --max-model-len 16384 had silently replaced the context); an explicit --max-model-len still wins."""
+    from vllm_dflash.cli import build_parser
+    from vllm_dflash.cli.doctor import serve_arguments
+
+    args = build_parser().parse_args(
+        ["--root", str(REPO), "doctor", "x.json", "--context", "131072", "--profile", "qwen3.6-27b", *extra]
+    )
+    serve = serve_arguments(args)
+    assert serve is not None and serve["max_model_len"] == max_model_len
+    assert serve["max_num_batched_tokens"] == 32768  # the profile's
+
+
 @pytest.mark.heavy
 def test_context_with_the_profiles_serve_arguments(tmp_path: Path, doctor_servers: None) -> None:
     """At 16K context the qwen3.6-27b profile's 32,768-token prefill chunk makes each sliding layer reserve its window

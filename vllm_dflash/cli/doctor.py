@@ -143,7 +143,8 @@ def diagnosis(
 
 def serve_arguments(args: argparse.Namespace) -> dict[str, Any] | None:
     """--context's serve arguments: the profile's, then the command line's, then vLLM serve's CUDA defaults (16-token
-    KV blocks, 2048-token prefill chunks) and the context as max_model_len."""
+    KV blocks, 2048-token prefill chunks). The context N is max_model_len unless --max-model-len says otherwise: a
+    profile's own --max-model-len does not override the N the command line asks for."""
     from vllm_dflash.doctor import kvcache
 
     if args.context is None:
@@ -163,7 +164,8 @@ def serve_arguments(args: argparse.Namespace) -> dict[str, Any] | None:
     serve.update(kvcache.serve_shape(given, "the command line"))  # what the command line says wins
     serve.setdefault("max_num_batched_tokens", kvcache.MAX_NUM_BATCHED_TOKENS)
     serve.setdefault("block_size", kvcache.BLOCK_SIZE)
-    serve.setdefault("max_model_len", args.context)
+    if not args.max_model_len:
+        serve["max_model_len"] = args.context
     return serve
 
 
