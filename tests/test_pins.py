@@ -554,7 +554,9 @@ def test_each_pins_drafter_joins_the_hybrid_targets_kv_groups(manifest: Manifest
     wheel and stock's (one side process each, both serve shapes: 16K tokens with the qwen3.6-27b profile's 32,768
     batched tokens, 128K with 2,048). The queue's 0004 must give at most stock's groups + 2 (the pins' earlier 0004
     gave 69 groups of one layer), the drafter's full layer inside a target full-attention group, the target's block
-    and page size unchanged, and less reserved per request than stock (vLLM's _max_memory_usage_bytes_from_groups)."""
+    and page size unchanged, and less reserved per request than stock (vLLM's _max_memory_usage_bytes_from_groups).
+    A drafter of other KV bytes per token keeps its whole context, or is refused in one line naming both sizes where
+    stock fails inside vLLM's page-size unification."""
     from test_doctor import Q36_TARGET
 
     from vllm_dflash.doctor import kvcache, kvgroups
@@ -565,9 +567,13 @@ def test_each_pins_drafter_joins_the_hybrid_targets_kv_groups(manifest: Manifest
     common = {"dtype": "bfloat16", "num_speculative_tokens": 15, "target": target, "drafter": drafter}
     common["kernel_block_alignment"] = kvgroups.KERNEL_BLOCK_ALIGNMENT
     jobs = {"jobs": [{**common, "context": c, "max_num_batched_tokens": b} for c, b in shapes]}
+    # Drafters of other KV bytes per token (16, 6 and 4 KV heads of 128), in the same processes.
+    heads = (16, 6, 4)
+    other = [[{**layer, "num_kv_heads": kv} for layer in drafter] for kv in heads]
+    jobs["jobs"] += [{**common, "context": 131072, "max_num_batched_tokens": 2048, "drafter": d} for d in other]
     view = manifest.for_pin(pin)
     mine, stock = (kvgroups.side(view, _queues(manifest, pin), variant, jobs) for variant in ("dflash", "stock"))
-    for shape, m, s in zip(shapes, mine, stock, strict=True):
+    for shape, m, s in zip(shapes, mine[:2], stock[:2], strict=True):
         assert m["vllm_version"] == f"{pin}+dflash.1" and s["vllm_version"] == f"{pin}+stock.1", (m, s)
         assert s["count"] == 15, (shape, s)  # 10 GDN, 4 target full, 1 drafter: groups of 5
         assert m["drafter_windows"] == [2048 + 15] * 4 + [None], (shape, m)
@@ -578,6 +584,16 @@ def test_each_pins_drafter_joins_the_hybrid_targets_kv_groups(manifest: Manifest
         joined = [(n, d) for kind, n, d in m["groups"] if kind == "FullAttentionSpec" and d]
         assert len(joined) == 1 and joined[0][1] == 1 < joined[0][0], (shape, m["groups"])
         assert [(n, d) for kind, n, d in m["groups"] if kind == "SlidingWindowSpec"] == [(4, 4)], (shape, m["groups"])
+    # Refused in one line naming both sizes where vLLM cannot give the hybrid target and the drafter one page size
+    # (stock fails inside vLLM's page-size unification); keeps the whole context (stock's layout) where it can.
+    for kv, m, s in zip(heads, mine[2:], stock[2:], strict=True):
+        if kv == 4:
+            assert m["drafter_windows"] == [None] * 5 and m["count"] == s["count"], (m, s)
+            continue
+        line = m.get("error", "")
+        assert line.startswith("ValueError: DFlash drafter KV cache") and "\n" not in line, line
+        assert f"{kv * 128 * 2 * 2} bytes" in line and f"attention layers {4 * 256 * 2 * 2}" in line, line
+        assert s["error"].startswith(("AssertionError", "NotImplementedError")), s
 
 
 @pytest.mark.heavy
