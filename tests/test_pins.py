@@ -547,6 +547,56 @@ def _cli_json(tmp: Path, *args: str, timeout: int = 3600) -> tuple[subprocess.Co
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("pin", NEW_PINS)
+def test_each_pins_drafter_joins_the_hybrid_targets_kv_groups(manifest: Manifest, pin: str) -> None:
+    """Issue 38 on every pin: Qwen3.6-27B (48 GDN + 16 full layers) + z-lab/Qwen3.6-27B-DFlash (4 sliding + 1 full
+    layers of 8 KV heads x 128), grouped by the pin's own get_kv_cache_groups in its own CPU environment, this build's
+    wheel and stock's (one side process each, both serve shapes: 16K tokens with the qwen3.6-27b profile's 32,768
+    batched tokens, 128K with 2,048). The queue's 0004 must give at most stock's groups + 2 (the pins' earlier 0004
+    gave 69 groups of one layer), the drafter's full layer inside a target full-attention group, the target's block
+    and page size unchanged, and less reserved per request than stock (vLLM's _max_memory_usage_bytes_from_groups).
+    A drafter of other KV bytes per token keeps its whole context, or is refused in one line naming both sizes where
+    stock fails inside vLLM's page-size unification."""
+    from test_doctor import Q36_TARGET
+
+    from vllm_dflash.doctor import kvcache, kvgroups
+
+    target = {"attention": kvcache.target_layers(Q36_TARGET)[0], "gdn": kvcache.target_gdn(Q36_TARGET)}
+    drafter = [{"num_kv_heads": 8, "head_dim": 128, "window": w} for w in (2048,) * 4 + (None,)]
+    shapes = ((16384, 32768), (131072, 2048))
+    common = {"dtype": "bfloat16", "num_speculative_tokens": 15, "target": target, "drafter": drafter}
+    common["kernel_block_alignment"] = kvgroups.KERNEL_BLOCK_ALIGNMENT
+    jobs = {"jobs": [{**common, "context": c, "max_num_batched_tokens": b} for c, b in shapes]}
+    # Drafters of other KV bytes per token (16, 6 and 4 KV heads of 128), in the same processes.
+    heads = (16, 6, 4)
+    other = [[{**layer, "num_kv_heads": kv} for layer in drafter] for kv in heads]
+    jobs["jobs"] += [{**common, "context": 131072, "max_num_batched_tokens": 2048, "drafter": d} for d in other]
+    view = manifest.for_pin(pin)
+    mine, stock = (kvgroups.side(view, _queues(manifest, pin), variant, jobs) for variant in ("dflash", "stock"))
+    for shape, m, s in zip(shapes, mine[:2], stock[:2], strict=True):
+        assert m["vllm_version"] == f"{pin}+dflash.1" and s["vllm_version"] == f"{pin}+stock.1", (m, s)
+        assert s["count"] == 15, (shape, s)  # 10 GDN, 4 target full, 1 drafter: groups of 5
+        assert m["drafter_windows"] == [2048 + 15] * 4 + [None], (shape, m)
+        assert m["count"] <= s["count"] + 2, (shape, m["groups"])
+        assert (m["page_size_bytes"], m["block_sizes"]) == (s["page_size_bytes"], s["block_sizes"]), (shape, m, s)
+        assert m["bytes_per_request"] < s["bytes_per_request"], (shape, m, s)
+        # The drafter's full layer shares a target full-attention block table; its sliding layers keep a group.
+        joined = [(n, d) for kind, n, d in m["groups"] if kind == "FullAttentionSpec" and d]
+        assert len(joined) == 1 and joined[0][1] == 1 < joined[0][0], (shape, m["groups"])
+        assert [(n, d) for kind, n, d in m["groups"] if kind == "SlidingWindowSpec"] == [(4, 4)], (shape, m["groups"])
+    # Refused in one line naming both sizes where vLLM cannot give the hybrid target and the drafter one page size
+    # (stock fails inside vLLM's page-size unification); keeps the whole context (stock's layout) where it can.
+    for kv, m, s in zip(heads, mine[2:], stock[2:], strict=True):
+        if kv == 4:
+            assert m["drafter_windows"] == [None] * 5 and m["count"] == s["count"], (m, s)
+            continue
+        line = m.get("error", "")
+        assert line.startswith("ValueError: DFlash drafter KV cache") and "\n" not in line, line
+        assert f"{kv * 128 * 2 * 2} bytes" in line and f"attention layers {4 * 256 * 2 * 2}" in line, line
+        assert s["error"].startswith(("AssertionError", "NotImplementedError")), s
+
+
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.network
 def test_upstream_against_a_pin_cites_the_stock_run(tmp_path: Path) -> None:
