@@ -280,7 +280,7 @@ def _etc_listing() -> list[tuple[str, int]]:
         ("file:///usr/share/idx", "system directory /usr"),
         ("/proc/idx", "system directory /proc"),
         ("/", "system directory /"),
-        ("file://{user}/etc-like/../../../../../../../../etc", "system directory /etc"),  # `..` climbs out
+        ("file://{user}/etc-like/{up}etc", "system directory /etc"),  # `..` climbs out (to / from any tmp depth)
         ("{tmp}/etc-link/simple", "system directory /etc"),  # a link into /etc is /etc
         ("{user}/etc-like/passwd/idx", "is a file, not a directory"),
         ("{user}/no/such/idx", "nor its parent"),
@@ -291,7 +291,9 @@ def test_publish_destination_is_checked_first(co: Checkout, user: Path, tmp_path
     wheel.write_bytes(b"not looked at before the destination")
     (tmp_path / "etc-link").symlink_to("/etc", target_is_directory=True)
     etc = _etc_listing()
-    r = co.cli("publish", str(wheel), "--to", to.replace("{user}", str(user)).replace("{tmp}", str(tmp_path)))
+    up = "../" * len((user / "etc-like").parts)
+    to = to.replace("{user}", str(user)).replace("{tmp}", str(tmp_path)).replace("{up}", up)
+    r = co.cli("publish", str(wheel), "--to", to)
     assert phrase in one_error(r, PublishRefusedError.return_code)
     assert _etc_listing() == etc
 
@@ -657,6 +659,18 @@ def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def _server_url(notes: Path) -> str:
+    """The fake server's URL from its notes, once the note is whole (it may exist before its line is written)."""
+    end = time.monotonic() + 120
+    while True:
+        path = notes / "server"
+        fields = path.read_text().split() if path.exists() else []
+        if len(fields) >= 2:
+            return f"http://127.0.0.1:{fields[1]}"
+        assert time.monotonic() < end, "the fake server never wrote its port"
+        time.sleep(0.05)
+
+
 def _gone(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -689,7 +703,7 @@ def test_ctrl_c_stops_inflight_requests_and_the_launched_server(gate_root: Path,
     if mode == "endpoint":
         ours = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server"], env=env)
         _wait_for(notes / "server")
-        where = ["--endpoint", f"http://127.0.0.1:{(notes / 'server').read_text().split()[1]}"]
+        where = ["--endpoint", _server_url(notes)]
     cmd = [sys.executable, "-m", "vllm_dflash", "--root", str(gate_root), "validate", "--profile", PROFILE, *where,
            "--report", str(tmp_path / "r.json"), "--quiet"]  # fmt: skip
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -740,7 +754,7 @@ def test_a_trickled_health_answer_cannot_outlast_the_health_timeout(gate_root: P
     server = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server"], env=env)
     try:
         _wait_for(notes / "server")
-        url = f"http://127.0.0.1:{(notes / 'server').read_text().split()[1]}"
+        url = _server_url(notes)
 
         def plain_read() -> None:
             with contextlib.suppress(OSError, http.client.HTTPException):  # the server is killed at the end
@@ -777,7 +791,7 @@ def test_the_client_deadline_is_total_and_its_limit_holds(tmp_path: Path) -> Non
     server = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server"], env=env)
     try:
         _wait_for(notes / "server")
-        url = f"http://127.0.0.1:{(notes / 'server').read_text().split()[1]}"
+        url = _server_url(notes)
         t0 = time.monotonic()
         with pytest.raises(client.TransportError, match="no complete answer within 1 s"):
             client.request("GET", url + "/health", 1.0, 1 << 20)
