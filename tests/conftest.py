@@ -283,6 +283,27 @@ def real_cache() -> Path:
     return cache_dir()
 
 
+# mktemp for module-scoped fixtures (`module_tmp("name")`): pytest keeps every tmp_path_factory dir until the session
+# ends, so the full tier's module fixtures (wheels, registries, releases) piled up past 3 GB of temporary space
+# (issue 37). These dirs go when their module ends, unless one of its tests failed (kept for a look).
+ModuleTmp = Callable[[str], Path]
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[ModuleTmp]:
+    made: list[Path] = []
+    failed_before = request.session.testsfailed
+
+    def mktemp(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield mktemp
+    if request.session.testsfailed == failed_before:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def sdist_tree(manifest: Manifest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """The real vLLM 0.20.1 source tree from the hash-pinned sdist. Shared: tests must not change it."""

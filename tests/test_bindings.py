@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import checkout_requiring, provenance_bytes, write_wheel
+from conftest import ModuleTmp, checkout_requiring, provenance_bytes, write_wheel
 from test_gate import TABLE, cli, error_lines, fake
 
 from vllm_dflash import provenance as prov
@@ -52,9 +52,9 @@ def vllm_wheel(dest: Path, body: bytes = b"__version__ = '0.20.1+dflash.7'\n") -
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+def installed(module_tmp: ModuleTmp) -> tuple[Path, Path, Path]:
     """(python, wheel, site-packages): the wheel pip-installed into a fresh venv (~3 s)."""
-    tmp = tmp_path_factory.mktemp("installed")
+    tmp = module_tmp("installed")
     wheel = vllm_wheel(tmp / "w")
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)

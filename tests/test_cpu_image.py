@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ModuleTmp
 from cpu_twin import ARBITRARY_USER, PODMAN_RUN, ULIMITS, Container, Twin, container, ensure_twin, logs
 
 from vllm_dflash import envs
@@ -82,10 +83,10 @@ def _hub_entry(hub: Path, repo: str, source: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def hf_home(mini_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def hf_home(mini_models: Path, module_tmp: ModuleTmp) -> Path:
     """A Hugging Face home holding the miniature's two models as hub repos (what `-v ~/.cache/huggingface:...`
     mounts), readable by any UID: the containers mount it read-only."""
-    home = tmp_path_factory.mktemp("hf-home")
+    home = module_tmp("hf-home")
     _hub_entry(home / "hub", TARGET_REPO, mini_models / "target")
     _hub_entry(home / "hub", DRAFTER_REPO, mini_models / "drafter")
     for path in [home, *home.rglob("*")]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ModuleTmp
 
 from vllm_dflash.errors import VerifyError
 from vllm_dflash.manifest import load_manifest
@@ -50,8 +51,8 @@ def strict(schema: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def strict_schemas(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("schemas")
+def strict_schemas(module_tmp: ModuleTmp) -> dict[str, Path]:
+    d = module_tmp("schemas")
     out = {}
     for name, file in SCHEMA_OF.items():
         path = d / file

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Checkout, make_checkout
+from conftest import Checkout, ModuleTmp, make_checkout
 
 from vllm_dflash.errors import (
     ConformanceError,
@@ -277,14 +277,14 @@ VALID_RELEASE = (
 
 
 @pytest.fixture(scope="module")
-def release_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def release_inputs(module_tmp: ModuleTmp) -> Path:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
     from test_gate import make_vllm_wheel
 
     from vllm_dflash.release import dsse
 
-    tmp = tmp_path_factory.mktemp("release-inputs")
+    tmp = module_tmp("release-inputs")
     make_vllm_wheel(tmp / "dist")
     dsse.write_keypair(tmp / "ok.pem", tmp / "ok.pub")
     (tmp / "bad.pem").write_text("-----BEGIN PRIVATE KEY-----\nnot base64\n-----END PRIVATE KEY-----\n")

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import ModuleTmp
 
 from vllm_dflash import provenance as prov
 from vllm_dflash.errors import ToolchainError, UnsupportedModeError
@@ -220,9 +221,9 @@ def test_plan_refusals(manifest: Manifest, tmp_path: Path, opts: fb.FullBuildOpt
 
 # ----------------------------------------------------------------------------------------------- toolchain
 @pytest.fixture(scope="module")
-def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def bare_python(module_tmp: ModuleTmp) -> Path:
     """A fresh venv with nothing installed: the toolchain check must name every missing Python piece."""
-    venv = tmp_path_factory.mktemp("bare") / "venv"
+    venv = module_tmp("bare") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     return venv / "bin" / "python"
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+from conftest import ModuleTmp
 
 from vllm_dflash import provenance as prov
 from vllm_dflash.errors import ContainerError, VerifyError
@@ -489,9 +490,9 @@ def podman_store() -> Iterator[tuple[img.ImageOptions, str]]:
 
 
 @pytest.fixture(scope="module")
-def dflash_wheel(tmp_path_factory: pytest.TempPathFactory, manifest: Manifest) -> Path:
+def dflash_wheel(module_tmp: ModuleTmp, manifest: Manifest) -> Path:
     """Our real wheel for this machine, built by the pipeline (fast path) into a temp dir."""
-    out = tmp_path_factory.mktemp("wheel")
+    out = module_tmp("wheel")
     options = BuildOptions(platforms=(platform.machine(),), out_dir=out)
     return build(manifest, read_queues(manifest.series_path, manifest.cpu_series_path), options).wheels[0].path
 
@@ -631,9 +632,9 @@ def emulated_store(podman_store: tuple[img.ImageOptions, str]) -> tuple[img.Imag
 
 
 @pytest.fixture(scope="module")
-def both_wheels(tmp_path_factory: pytest.TempPathFactory, manifest: Manifest) -> dict[str, Path]:
+def both_wheels(module_tmp: ModuleTmp, manifest: Manifest) -> dict[str, Path]:
     """Our wheels for both platforms, built here by the pipeline (`vllm-dflash build` makes both from any host)."""
-    out = tmp_path_factory.mktemp("wheels")
+    out = module_tmp("wheels")
     options = BuildOptions(platforms=("x86_64", "aarch64"), out_dir=out)
     wheels = build(manifest, read_queues(manifest.series_path, manifest.cpu_series_path), options).wheels
     return {w.platform: w.path for w in wheels}
@@ -654,12 +655,12 @@ def all_platforms(
     emulated_store: tuple[img.ImageOptions, str],
     both_wheels: dict[str, Path],
     manifest: Manifest,
-    tmp_path_factory: pytest.TempPathFactory,
+    module_tmp: ModuleTmp,
 ) -> AllPlatforms:
     """`vllm-dflash image --platform all` in a checkout whose dist/ holds both wheels: one image per platform (the
     other one's RUN steps under qemu) and the image index over them."""
     opts, _ = emulated_store
-    m = _fake_checkout(tmp_path_factory.mktemp("all"), manifest)
+    m = _fake_checkout(module_tmp("all"), manifest)
     m.dist_dir.mkdir()
     for wheel in both_wheels.values():
         os.link(wheel, m.dist_dir / wheel.name)
@@ -783,6 +784,13 @@ def _resum(directory: Path) -> None:
     (directory / layout.SUMS).write_bytes(layout.format_sums(digests))
 
 
+def _link_wheels(src: str, dst: str) -> object:
+    if src.endswith(".whl"):
+        os.link(src, dst)
+        return dst
+    return shutil.copy2(src, dst)
+
+
 @pytest.mark.slow
 @pytest.mark.network
 def test_release_names_both_platform_images(both_wheels: dict[str, Path], manifest: Manifest, tmp_path: Path) -> None:
@@ -796,7 +804,7 @@ def test_release_names_both_platform_images(both_wheels: dict[str, Path], manife
         ImageRef(repo, digests["index"], None),
     )
     wheels = [both_wheels["x86_64"], both_wheels["aarch64"]]
-    rel = make_release(manifest, wheels, tmp_path / "rel", ReleaseOptions(images=images, link=False))
+    rel = make_release(manifest, wheels, tmp_path / "rel", ReleaseOptions(images=images))
     doc = json.loads((rel.directory / layout.IMAGES).read_text())
     by_platform = {e["platform"]: e for e in doc["images"]}
     for machine in ("x86_64", "aarch64"):
@@ -821,9 +829,15 @@ def test_release_names_both_platform_images(both_wheels: dict[str, Path], manife
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
 
     # Refused by verify, with SHA256SUMS made to match (an unsigned release re-summed by someone else).
+    copies: list[Path] = []
+
     def altered(name: str, edit: object) -> Path:
-        d = tmp_path / name
-        shutil.copytree(rel.directory, d)
+        for previous in copies:  # verified already; one copy at a time (issue 37's temporary space)
+            shutil.rmtree(previous)
+        copies[:] = [tmp_path / name]
+        d = copies[0]
+        # The wheels (~0.5 GB) are linked, not copied: no alteration touches them.
+        shutil.copytree(rel.directory, d, copy_function=_link_wheels)
         assert callable(edit)
         edit(d)
         _resum(d)
@@ -885,7 +899,7 @@ def test_release_names_the_built_images(
 
 # ------------------------------------------------------------------------------ through a real registry
 @pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def registry(module_tmp: ModuleTmp) -> Iterator[str]:
     """Debian's docker-registry (the Docker Distribution registry) on 127.0.0.1, plain HTTP, storage in a temp dir;
     stopped afterwards. Yields `127.0.0.1:PORT`."""
     import urllib.request
@@ -894,7 +908,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     exe = shutil.which("docker-registry")
     assert exe, "docker-registry missing: scripts/test installs it as root (apt-get install docker-registry)"
-    where = tmp_path_factory.mktemp("registry")
+    where = module_tmp("registry")
     port = free_port()
     config = where / "config.yml"
     config.write_text(

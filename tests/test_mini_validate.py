@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ModuleTmp
 
 from vllm_dflash.errors import PublishRefusedError
 from vllm_dflash.manifest import Manifest
@@ -50,8 +51,8 @@ def _validate(tmp: Path, *extra: str, profile: str = "mini-cpu") -> Run:
 
 
 @pytest.fixture(scope="module")
-def patched(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return _validate(tmp_path_factory.mktemp("mini-patched"))
+def patched(module_tmp: ModuleTmp) -> Run:
+    return _validate(module_tmp("mini-patched"))
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +151,8 @@ def test_publish_accepts_ours_and_refuses_stock(patched: Run, swapped: Run, tmp_
 
 
 @pytest.fixture(scope="module")
-def serving(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return _validate(tmp_path_factory.mktemp("mini-serving"), profile="mini-cpu-serving")
+def serving(module_tmp: ModuleTmp) -> Run:
+    return _validate(module_tmp("mini-serving"), profile="mini-cpu-serving")
 
 
 def _check_serving(run: Run) -> None:
@@ -214,8 +215,8 @@ def test_served_as_users_serve_batch_chunks_prefix_cache(serving: Run) -> None:
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return _validate(tmp_path_factory.mktemp("mini-hybrid"), profile="mini-cpu-hybrid")
+def hybrid(module_tmp: ModuleTmp) -> Run:
+    return _validate(module_tmp("mini-hybrid"), profile="mini-cpu-hybrid")
 
 
 def test_hybrid_target_served_as_users_serve(hybrid: Run) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ModuleTmp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -231,10 +232,10 @@ _NAME_CHARS = st.sampled_from(["a", "b", ".", " ", "_", "-", '"', "\\", "\t", "Ã
 
 
 @pytest.fixture(scope="module")
-def quoting_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def quoting_repo(module_tmp: ModuleTmp) -> Path:
     import subprocess
 
-    repo = tmp_path_factory.mktemp("quoting")
+    repo = module_tmp("quoting")
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     return repo
 

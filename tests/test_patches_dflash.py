@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import ModuleTmp
 
 from vllm_dflash.manifest import Manifest
 from vllm_dflash.pipeline.patches import PatchState, check_patch, check_series
@@ -65,12 +66,12 @@ def cpu_queue(manifest: Manifest) -> dict[str, Patch]:
 
 
 @pytest.fixture(scope="module")
-def tree_0220(manifest: Manifest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tree_0220(manifest: Manifest, module_tmp: ModuleTmp) -> Path:
     """The real vLLM 0.22.0 sdist tree (hash-pinned in dist.toml [releases]), as a git repo."""
     from vllm_dflash.pipeline.source import release_tree
 
     rel = manifest.releases["0.22.0"]
-    return release_tree("0.22.0", rel.sdist, rel.commit, tmp_path_factory.mktemp("rel") / "vllm-0.22.0").path
+    return release_tree("0.22.0", rel.sdist, rel.commit, module_tmp("rel") / "vllm-0.22.0").path
 
 
 def test_series_order_and_files(queue: dict[str, Patch]) -> None:

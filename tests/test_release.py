@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import checkout_requiring, clone_tree
+from conftest import ModuleTmp, checkout_requiring, clone_tree
 from packaging.specifiers import SpecifierSet
 from test_publish import PROFILE, PROFILE_TABLE, make_report
 
@@ -59,35 +59,35 @@ pytestmark = [pytest.mark.network, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def patched(sdist_tree, manifest: Manifest, tmp_path_factory: pytest.TempPathFactory) -> PatchedTree:  # type: ignore[no-untyped-def]
-    tree = clone_tree(sdist_tree, tmp_path_factory.mktemp("reltree") / "vllm")
+def patched(sdist_tree, manifest: Manifest, module_tmp: ModuleTmp) -> PatchedTree:  # type: ignore[no-untyped-def]
+    tree = clone_tree(sdist_tree, module_tmp("reltree") / "vllm")
     return apply_series(tree, read_queue(manifest.series_path).patches, manifest.fork_branch)
 
 
 @pytest.fixture(scope="module")
-def built(manifest: Manifest, patched: PatchedTree, tmp_path_factory: pytest.TempPathFactory) -> dict[str, WheelResult]:
+def built(manifest: Manifest, patched: PatchedTree, module_tmp: ModuleTmp) -> dict[str, WheelResult]:
     """Both platforms' wheels, built on this (x86_64) host from the pinned upstream wheels (aarch64: ~236 MB)."""
-    out = tmp_path_factory.mktemp("dist")
+    out = module_tmp("dist")
     return {plat: build_fast_wheel(manifest, patched, fetch(manifest.wheels[plat]), out) for plat in PLATFORMS}
 
 
 @pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("keys")
+def keys(module_tmp: ModuleTmp) -> dict[str, Path]:
+    d = module_tmp("keys")
     write_keypair(d / "release-key.pem", d / "release-key.pub")
     write_keypair(d / "other-key.pem", d / "other-key.pub")
     return {"private": d / "release-key.pem", "public": d / "release-key.pub", "other": d / "other-key.pub"}
 
 
 @pytest.fixture(scope="module")
-def checkout(repo_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkout(repo_root: Path, module_tmp: ModuleTmp) -> Path:
     """This repo's dist.toml and VERSION, plus a test profile that publishing requires (reports are made with it)."""
-    return checkout_requiring(tmp_path_factory.mktemp("checkout"), {PROFILE: PROFILE_TABLE})
+    return checkout_requiring(module_tmp("checkout"), {PROFILE: PROFILE_TABLE})
 
 
 @pytest.fixture(scope="module")
-def reports(checkout: Path, built: dict[str, WheelResult], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("reports")
+def reports(checkout: Path, built: dict[str, WheelResult], module_tmp: ModuleTmp) -> dict[str, Path]:
+    d = module_tmp("reports")
     return {plat: make_report(checkout, w.sha256, d / f"validation-{plat}.json") for plat, w in built.items()}
 
 
@@ -97,7 +97,7 @@ def signed(
     built: dict[str, WheelResult],
     keys: dict[str, Path],
     reports: dict[str, Path],
-    tmp_path_factory: pytest.TempPathFactory,
+    module_tmp: ModuleTmp,
 ) -> Release:
     options = ReleaseOptions(
         sign_key=keys["private"],
@@ -105,12 +105,12 @@ def signed(
         images=(ImageRef("registry.example.com/ml/vllm-dflash", "sha256:" + "ab" * 32),),
     )
     wheels = [w.path for w in built.values()]
-    return make_release(load_manifest(checkout), wheels, tmp_path_factory.mktemp("rel") / "signed", options)
+    return make_release(load_manifest(checkout), wheels, module_tmp("rel") / "signed", options)
 
 
 @pytest.fixture(scope="module")
-def unsigned(manifest: Manifest, built: dict[str, WheelResult], tmp_path_factory: pytest.TempPathFactory) -> Release:
-    return make_release(manifest, [w.path for w in built.values()], tmp_path_factory.mktemp("rel") / "unsigned")
+def unsigned(manifest: Manifest, built: dict[str, WheelResult], module_tmp: ModuleTmp) -> Release:
+    return make_release(manifest, [w.path for w in built.values()], module_tmp("rel") / "unsigned")
 
 
 def copy_release(release: Path, dest: Path) -> Path:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import checkout_requiring, write_wheel
+from conftest import ModuleTmp, checkout_requiring, write_wheel
 from cpu_server import CpuServer, cpu_server, make_tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -64,9 +64,9 @@ def cpu_python(cpu: CpuServer) -> Path:
 
 
 @pytest.fixture(scope="module")
-def checkout(repo_root: Path, tmp_path_factory: pytest.TempPathFactory, cpu_python: Path) -> Path:
+def checkout(repo_root: Path, module_tmp: ModuleTmp, cpu_python: Path) -> Path:
     """A checkout whose manifest has CPU test profiles (a tiny local model) and requires the passing one."""
-    base = tmp_path_factory.mktemp("validate")
+    base = module_tmp("validate")
     model = make_tiny_model(cpu_python, base / "tiny-qwen3")
     table: dict[str, Any] = {
         "target": str(model),
@@ -116,10 +116,8 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def servers(
-    cpu: CpuServer, cpu_python: Path, checkout: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Servers]:
-    s = Servers(cpu_python, checkout, tmp_path_factory.mktemp("logs"), cpu.env)
+def servers(cpu: CpuServer, cpu_python: Path, checkout: Path, module_tmp: ModuleTmp) -> Iterator[Servers]:
+    s = Servers(cpu_python, checkout, module_tmp("logs"), cpu.env)
     yield s
     s.stop()
 
@@ -153,9 +151,9 @@ def publish_cli(root: Path, *args: str | Path) -> subprocess.CompletedProcess[st
 
 
 @pytest.fixture(scope="module")
-def passing_run(servers: Servers, checkout: Path, cpu_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def passing_run(servers: Servers, checkout: Path, cpu_wheel: Path, module_tmp: ModuleTmp) -> Any:
     url = servers.get(True)
-    report = tmp_path_factory.mktemp("reports") / "pass.json"
+    report = module_tmp("reports") / "pass.json"
     before = read_counters(url)
     run = validate_cli(checkout, "--profile", PASSING, "--endpoint", url, "--wheel", cpu_wheel, "--report", report)
     after = read_counters(url)

