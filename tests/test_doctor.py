@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from doctor_configs import SIZES
+from doctor_issue39 import published_q36
 
 from vllm_dflash.cli import main
 from vllm_dflash.conformance import cases as C
@@ -53,44 +55,6 @@ def q36() -> dict[str, Any]:
     return copied
 
 
-def published_q36() -> dict[str, Any]:
-    """z-lab/Qwen3.6-27B-DFlash's config.json as published (the shape every public copy quotes, with the keys a
-    transformers-saved Qwen3 drafter config carries, `auto_map` among them)."""
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "block_size": 16,
-        "bos_token_id": 248044,
-        "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
-        "dtype": "bfloat16",
-        "eos_token_id": 248046,
-        "head_dim": 128,
-        "hidden_act": "silu",
-        "hidden_size": 5120,
-        "initializer_range": 0.02,
-        "intermediate_size": 17408,
-        "layer_types": [S, S, S, S, F],
-        "max_position_embeddings": 262144,
-        "max_window_layers": 5,
-        "model_type": "qwen3",
-        "num_attention_heads": 32,
-        "num_hidden_layers": 5,
-        "num_key_value_heads": 8,
-        "num_target_layers": 64,
-        "rms_norm_eps": 1e-06,
-        "rope_scaling": None,
-        "rope_theta": 10000000,
-        "sliding_window": 2048,
-        "tie_word_embeddings": False,
-        "transformers_version": "4.57.1",
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": 248320,
-    }
-
-
 def mwl() -> dict[str, Any]:
     """A drafter whose sliding layers come from max_window_layers (no layer_types: transformers fills them)."""
     return {
@@ -106,18 +70,7 @@ def mwl() -> dict[str, Any]:
 
 
 # A transformer part with every size a speculators-format config's SpeculatorsConfig needs (it fills no defaults).
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 256,
-    "rms_norm_eps": 1e-06,
-    "max_position_embeddings": 4096,
-    "hidden_act": "silu",
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-}
+TINY = {**SIZES, "hidden_act": "silu", "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
 
 
 def diag(cfg: dict[str, Any], doctor: Any, **kw: Any) -> D.Diagnosis:

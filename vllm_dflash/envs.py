@@ -21,7 +21,7 @@ import shutil
 import stat
 import sys
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -198,21 +198,26 @@ def ensure_target(name: str, source: Path, python: Path, root: Path | None = Non
     """`pip install --no-deps --target envs/<name>` of a wheel or project dir; reused once finished."""
 
     def build(tmp: Path) -> None:
-        proc.call(
-            python,
-            "-m",
-            "pip",
-            "install",
-            "--disable-pip-version-check",
-            "--no-deps",
-            "--target",
-            tmp,
-            source,
-            error=ConformanceError,
-            hint=f"check that {source} is a valid wheel or project",
-        )
+        _pip_target(python, tmp, [source], f"check that {source} is a valid wheel or project")
 
     return _build_once(envs_dir(root) / name, build, f"{source.name} (--target)")
+
+
+def _pip_target(python: Path, tmp: Path, what: Sequence[str | Path], hint: str) -> None:
+    """`pip install --no-deps --target tmp` of wheels, projects or requirements (no resolver: they are pinned)."""
+    proc.call(
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--target",
+        tmp,
+        *what,
+        error=ConformanceError,
+        hint=hint,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -405,19 +410,7 @@ def upstream_tree(version: str, sdist: Path, base_python: Path, root: Path | Non
         key = hashlib.sha256(json.dumps([version, replaced, str(base_python)]).encode()).hexdigest()[:12]
 
         def build(tmp: Path) -> None:
-            proc.call(
-                base_python,
-                "-m",
-                "pip",
-                "install",
-                "--disable-pip-version-check",
-                "--no-deps",
-                "--target",
-                tmp,
-                *(r for _, r, _ in replaced),
-                error=ConformanceError,
-                hint="check the network to PyPI, then run again",
-            )
+            _pip_target(base_python, tmp, [r for _, r, _ in replaced], "check the network to PyPI, then run again")
 
         overlay = _build_once(
             envs_dir(root) / f"vllm-deps-{version}-{key}", build, f"vLLM {version}'s own requirements (overlay)"
