@@ -20,8 +20,10 @@ The host side (`run_target_conformance`) runs them and returns a typed `HybridRe
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -150,77 +152,90 @@ def _build(spec: HybridSpec, out: Path) -> None:
     (out / "case.json").write_text(json.dumps(asdict(spec), indent=1))
 
 
-def _vllm(spec: HybridSpec, model: Path, run: str, out: Path) -> None:
+def _vllm(spec: HybridSpec, model: Path, runs: list[tuple[str, Path]]) -> None:
+    """Every run in this process, one engine after another, as the conformance side runs its cases (vllm_side): the
+    engine core and the worker here, one OpenMP thread, the greedy sampler uncompiled. Start-up is paid once (issue
+    37): a process per run, each with its own engine-core and worker processes, cost ~45 s a run."""
+    from vllm_dflash.conformance import vllm_side
+
+    vllm_side.one_openmp_thread()
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     from vllm import LLM, SamplingParams
 
-    kwargs: dict[str, Any] = {}
-    if run == "dflash":
-        kwargs["speculative_config"] = {
-            "method": "dflash",
-            "model": str(model / "drafter"),
-            "num_speculative_tokens": spec.spec_tokens,
-        }
-    if run == "ngram":
-        # One sequence at a time: 0.20.1's GDN layer passes the whole batch's gates to the verify kernel, indexed
-        # by the speculative tokens' offsets, which is right only when every decoding request has drafts (DFlash
-        # always proposes; ngram may not).
-        kwargs["speculative_config"] = {
-            "method": "ngram",
-            "num_speculative_tokens": spec.spec_tokens,
-            "prompt_lookup_max": 2,
-            "prompt_lookup_min": 1,
-        }
-    llm = LLM(
-        model=str(model),
-        dtype="float32",
-        seed=0,
-        max_model_len=256,
-        enforce_eager=True,
-        limit_mm_per_prompt={"image": 0, "video": 0},
-        kv_cache_memory_bytes=256 << 20,
-        max_num_seqs=1 if run == "ngram" else 4,
-        max_logprobs=-1,
-        max_num_batched_tokens=spec.chunk_tokens,
-        enable_chunked_prefill=True,
-        **kwargs,
-    )
-    prompts = spec.prompts(repeat=run == "ngram")
-    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, logprobs=-1, prompt_logprobs=-1)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    rows = []
-    for prompt, o in zip(prompts, outputs, strict=True):
-        first = o.prompt_logprobs or []
-        prompt_lp = [[d[t].logprob for t in range(VOCAB)] for d in first[1:] if d is not None]
-        gen_lp = [[d[t].logprob for t in range(VOCAB)] for d in (o.outputs[0].logprobs or [])]
-        rows.append({"prompt": prompt, "tokens": list(o.outputs[0].token_ids), "logprobs": prompt_lp + gen_lp})
-    out.write_text(json.dumps({"run": run, "rows": rows}))
+    for run, out in runs:
+        kwargs: dict[str, Any] = vllm_side.executor_kwargs({}, "cpu", vllm_side.DEFAULT_EXECUTOR)
+        if run == "dflash":
+            kwargs["speculative_config"] = {
+                "method": "dflash",
+                "model": str(model / "drafter"),
+                "num_speculative_tokens": spec.spec_tokens,
+            }
+        if run == "ngram":
+            # One sequence at a time: 0.20.1's GDN layer passes the whole batch's gates to the verify kernel, indexed
+            # by the speculative tokens' offsets, which is right only when every decoding request has drafts (DFlash
+            # always proposes; ngram may not).
+            kwargs["speculative_config"] = {
+                "method": "ngram",
+                "num_speculative_tokens": spec.spec_tokens,
+                "prompt_lookup_max": 2,
+                "prompt_lookup_min": 1,
+            }
+        llm = LLM(
+            model=str(model),
+            dtype="float32",
+            seed=0,
+            max_model_len=256,
+            enforce_eager=True,
+            limit_mm_per_prompt={"image": 0, "video": 0},
+            kv_cache_memory_bytes=256 << 20,
+            max_num_seqs=1 if run == "ngram" else 4,
+            max_logprobs=-1,
+            max_num_batched_tokens=spec.chunk_tokens,
+            enable_chunked_prefill=True,
+            **kwargs,
+        )
+        prompts = spec.prompts(repeat=run == "ngram")
+        params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, logprobs=-1, prompt_logprobs=-1)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        rows = []
+        for prompt, o in zip(prompts, outputs, strict=True):
+            first = o.prompt_logprobs or []
+            prompt_lp = [[d[t].logprob for t in range(VOCAB)] for d in first[1:] if d is not None]
+            gen_lp = [[d[t].logprob for t in range(VOCAB)] for d in (o.outputs[0].logprobs or [])]
+            rows.append({"prompt": prompt, "tokens": list(o.outputs[0].token_ids), "logprobs": prompt_lp + gen_lp})
+        out.write_text(json.dumps({"run": run, "rows": rows}))
+        vllm_side.shutdown(llm)
+        del llm, outputs
+        gc.collect()
 
 
-def _reference(model: Path, got: Path, out: Path) -> None:
+def _reference(model: Path, pairs: list[tuple[Path, Path]]) -> None:
+    """Each vLLM run's output (`got`) against transformers' own forward, its summary to `out`; one model load."""
     import torch
     from transformers import Qwen3_5ForConditionalGeneration
 
     ref = Qwen3_5ForConditionalGeneration.from_pretrained(model, dtype=torch.float32).eval()
-    data = json.loads(got.read_text())
-    worst, agree, total, positions = 0.0, 0, 0, 0
-    for row in data["rows"]:
-        prompt, tokens = row["prompt"], row["tokens"]
-        with torch.no_grad():
-            logits = ref(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
-        want = torch.log_softmax(logits, -1)
-        have = torch.tensor(row["logprobs"], dtype=torch.float32)
-        # Rows: positions 1..P-1 of the prompt (predicted from what precedes them), then each generated token.
-        expected_rows = len(prompt) - 1 + len(tokens)
-        if have.shape != (expected_rows, VOCAB):
-            raise SystemExit(f"vLLM gave {tuple(have.shape)} log-prob rows, expected {(expected_rows, VOCAB)}")
-        worst = max(worst, (have - want[:expected_rows]).abs().max().item())
-        greedy = want[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].argmax(-1).tolist()
-        agree += sum(int(a == b) for a, b in zip(greedy, tokens, strict=True))
-        total += len(tokens)
-        positions += expected_rows
-    out.write_text(
-        json.dumps({"run": data["run"], "max_abs": worst, "agree": agree, "total": total, "positions": positions})
-    )
+    for got, out in pairs:
+        data = json.loads(got.read_text())
+        worst, agree, total, positions = 0.0, 0, 0, 0
+        for row in data["rows"]:
+            prompt, tokens = row["prompt"], row["tokens"]
+            with torch.no_grad():
+                logits = ref(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+            want = torch.log_softmax(logits, -1)
+            have = torch.tensor(row["logprobs"], dtype=torch.float32)
+            # Rows: positions 1..P-1 of the prompt (predicted from what precedes them), then each generated token.
+            expected_rows = len(prompt) - 1 + len(tokens)
+            if have.shape != (expected_rows, VOCAB):
+                raise SystemExit(f"vLLM gave {tuple(have.shape)} log-prob rows, expected {(expected_rows, VOCAB)}")
+            worst = max(worst, (have - want[:expected_rows]).abs().max().item())
+            greedy = want[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].argmax(-1).tolist()
+            agree += sum(int(a == b) for a, b in zip(greedy, tokens, strict=True))
+            total += len(tokens)
+            positions += expected_rows
+        out.write_text(
+            json.dumps({"run": data["run"], "max_abs": worst, "agree": agree, "total": total, "positions": positions})
+        )
 
 
 def _kernels(out: Path) -> None:
@@ -382,32 +397,35 @@ def run_target_conformance(
     from vllm_dflash.conformance import compare
 
     model = ensure_case(manifest, ref_python, spec)
+    got = {run: work / f"{build}-{run}.vllm.json" for run in runs}
+    summary = {run: work / f"{build}-{run}.ref.json" for run in runs}
+    # One vLLM process for every run, then one reference process for every output (start-up paid once each).
+    side = json.dumps({"spec": asdict(spec), "model": str(model), "runs": [[r, str(got[r])] for r in runs]})
+    proc.call(
+        python,
+        "-m",
+        "vllm_dflash.conformance.hybrid",
+        "vllm",
+        side,
+        env=environ,
+        error=ConformanceError,
+        hint=f"the {build} build could not serve the hybrid target: its last lines above say why",
+    )
+    pairs = [[str(got[r]), str(summary[r])] for r in runs]
+    ref = json.dumps({"spec": asdict(spec), "model": str(model), "pairs": pairs})
+    proc.call(
+        ref_python,
+        "-m",
+        "vllm_dflash.conformance.hybrid",
+        "reference",
+        ref,
+        env=compare.ref_environ(manifest),
+        error=ConformanceError,
+        hint="the reference could not read the vLLM side's output",
+    )
     results = []
     for run in runs:
-        got, summary = work / f"{build}-{run}.vllm.json", work / f"{build}-{run}.ref.json"
-        side = json.dumps({"spec": asdict(spec), "model": str(model), "run": run, "out": str(got)})
-        proc.call(
-            python,
-            "-m",
-            "vllm_dflash.conformance.hybrid",
-            "vllm",
-            side,
-            env=environ,
-            error=ConformanceError,
-            hint=f"the {build} build could not serve the hybrid target: its last lines above say why",
-        )
-        ref = json.dumps({"spec": asdict(spec), "model": str(model), "got": str(got), "out": str(summary)})
-        proc.call(
-            ref_python,
-            "-m",
-            "vllm_dflash.conformance.hybrid",
-            "reference",
-            ref,
-            env=compare.ref_environ(manifest),
-            error=ConformanceError,
-            hint="the reference could not read the vLLM side's output",
-        )
-        s = json.loads(summary.read_text())
+        s = json.loads(summary[run].read_text())
         results.append(RunResult(run, float(s["max_abs"]), int(s["agree"]), int(s["total"]), int(s["positions"])))
     return HybridResult(build, tuple(results))
 
@@ -437,11 +455,11 @@ def main(argv: list[str] | None = None) -> int:
     if args[0] == "build":
         _build(spec, Path(job["out"]))
     elif args[0] == "vllm":
-        _vllm(spec, Path(job["model"]), job["run"], Path(job["out"]))
+        _vllm(spec, Path(job["model"]), [(str(r), Path(o)) for r, o in job["runs"]])
     elif args[0] == "kernels":
         _kernels(Path(job["out"]))
     elif args[0] == "reference":
-        _reference(Path(job["model"]), Path(job["got"]), Path(job["out"]))
+        _reference(Path(job["model"]), [(Path(g), Path(o)) for g, o in job["pairs"]])
     else:
         raise SystemExit(f"unknown command {args[0]!r}: build, vllm, kernels or reference")
     return 0

@@ -80,6 +80,12 @@ def _prepare_environ(device: str) -> None:
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
+def one_openmp_thread() -> None:
+    """One OpenMP thread in this process, set before torch starts its pool (`uni-1t`): the in-process worker cannot
+    bind threads, and two unbound threads spin-waiting on a loaded 2-core machine cost far more than they give."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
 def _executor(device: str) -> Any:
     """vLLM's CPU platform turns the "uni" executor into a worker process per LLM (7-10 s of imports each on 2 cores);
     the executor class itself runs the worker in this process, as on a GPU with one device. Same model code, same
@@ -324,7 +330,7 @@ def assign_blocks(
     return out
 
 
-def _executor_kwargs(case: dict[str, Any], device: str, executor: str) -> dict[str, Any]:
+def executor_kwargs(case: dict[str, Any], device: str, executor: str) -> dict[str, Any]:
     """`uni`: the worker in this process (UniProcExecutor, see `_executor`); `mp`: vLLM's engine core and a worker
     process per rank, OMP threads bound one core set per rank (tensor parallel needs it)."""
     tp = int(case.get("tensor_parallel_size", 1))
@@ -403,7 +409,7 @@ def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAUL
         seed=int(case.get("seed", 0)),
         disable_log_stats=False,
         enable_prefix_caching=bool(case.get("enable_prefix_caching", False)),
-        **_executor_kwargs(case, device, executor),
+        **executor_kwargs(case, device, executor),
     )
     if case.get("kv_block_size"):
         llm_kwargs["block_size"] = int(case["kv_block_size"])
@@ -545,7 +551,7 @@ def case_environ(env: dict[str, str]) -> Iterator[None]:
     """The variables one case's engine starts with (its engine shape's, e.g. the full-kv control's
     VLLM_DFLASH_FULL_DRAFTER_KV), set for that case only: afterwards every variable is as it was, so the next case
     in this process starts without them (vLLM's cached copy of its variables is dropped before every engine, see
-    `_executor_kwargs`)."""
+    `executor_kwargs`)."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -568,9 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     if executor not in EXECUTORS:
         raise SystemExit(f"vllm_side: unknown executor {executor!r}; one of {', '.join(EXECUTORS)}")
     if executor == "uni-1t":
-        # One OpenMP thread in this process, set before torch starts its pool: the in-process worker cannot bind
-        # threads, and two unbound threads spin-waiting on a loaded 2-core machine cost far more than they give.
-        os.environ["OMP_NUM_THREADS"] = "1"
+        one_openmp_thread()
     for entry in job["jobs"]:
         case_dir, out = Path(entry[0]), Path(entry[1])
         env = {str(k): str(v) for k, v in (entry[2] if len(entry) > 2 else {}).items()}
