@@ -658,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             record_file.unlink(missing_ok=True)
             record_file.with_name(record_file.name + KV_SUFFIX).unlink(missing_ok=True)
+            _remove_rank_shm()  # also after an engine that failed to start (a refusal case): no shutdown ran
         if "refused" in summary:
             print(f"vllm_side: {summary['case']}: refused={summary['refused']}: {summary['refusal_line']}", flush=True)
             continue
