@@ -556,7 +556,11 @@ def test_each_pins_drafter_joins_the_hybrid_targets_kv_groups(manifest: Manifest
     gave 69 groups of one layer), the drafter's full layer inside a target full-attention group, the target's block
     and page size unchanged, and less reserved per request than stock (vLLM's _max_memory_usage_bytes_from_groups).
     A drafter of other KV bytes per token keeps its whole context, or is refused in one line naming both sizes where
-    stock fails inside vLLM's page-size unification."""
+    stock fails inside vLLM's page-size unification. And on an all-full-attention target (Qwen3.6-27B's 16 attention
+    layers alone, same processes) the windows never reserve more than the whole context: at 16K with 32,768 batched a
+    sliding layer keeps as much as a full one and its groups only add padding, so every layer keeps the whole context
+    (stock's one group; the pins' earlier 0004 reserved more than stock there), while at 128K with 2,048 the windows
+    stay (two groups, less than stock)."""
     from test_doctor import Q36_TARGET
 
     from vllm_dflash.doctor import kvcache, kvgroups
@@ -571,6 +575,9 @@ def test_each_pins_drafter_joins_the_hybrid_targets_kv_groups(manifest: Manifest
     heads = (16, 6, 4)
     other = [[{**layer, "num_kv_heads": kv} for layer in drafter] for kv in heads]
     jobs["jobs"] += [{**common, "context": 131072, "max_num_batched_tokens": 2048, "drafter": d} for d in other]
+    # The same attention layers as an all-full-attention target, at both shapes.
+    all_full = {"attention": target["attention"], "gdn": None}
+    jobs["jobs"] += [{**common, "target": all_full, "context": c, "max_num_batched_tokens": b} for c, b in shapes]
     view = manifest.for_pin(pin)
     mine, stock = (kvgroups.side(view, _queues(manifest, pin), variant, jobs) for variant in ("dflash", "stock"))
     for shape, m, s in zip(shapes, mine[:2], stock[:2], strict=True):
@@ -586,7 +593,7 @@ def test_each_pins_drafter_joins_the_hybrid_targets_kv_groups(manifest: Manifest
         assert [(n, d) for kind, n, d in m["groups"] if kind == "SlidingWindowSpec"] == [(4, 4)], (shape, m["groups"])
     # Refused in one line naming both sizes where vLLM cannot give the hybrid target and the drafter one page size
     # (stock fails inside vLLM's page-size unification); keeps the whole context (stock's layout) where it can.
-    for kv, m, s in zip(heads, mine[2:], stock[2:], strict=True):
+    for kv, m, s in zip(heads, mine[2:5], stock[2:5], strict=True):
         if kv == 4:
             assert m["drafter_windows"] == [None] * 5 and m["count"] == s["count"], (m, s)
             continue
@@ -594,6 +601,14 @@ def test_each_pins_drafter_joins_the_hybrid_targets_kv_groups(manifest: Manifest
         assert line.startswith("ValueError: DFlash drafter KV cache") and "\n" not in line, line
         assert f"{kv * 128 * 2 * 2} bytes" in line and f"attention layers {4 * 256 * 2 * 2}" in line, line
         assert s["error"].startswith(("AssertionError", "NotImplementedError")), s
+    (short, long), (stock_short, stock_long) = mine[5:], stock[5:]
+    assert stock_short["count"] == stock_long["count"] == 1, (stock_short, stock_long)  # one group, no padding
+    # A prefill chunk near the context: every layer keeps the whole context, stock's layout, no more reserved.
+    assert short["bytes_per_request"] <= stock_short["bytes_per_request"], (short, stock_short)
+    assert short["count"] == 1, short
+    # A long context with a small chunk: the windows save, in two groups (target + drafter full, sliding).
+    assert long["drafter_windows"] == [2048 + 15] * 4 + [None], long
+    assert long["count"] == 2 and long["bytes_per_request"] < stock_long["bytes_per_request"], (long, stock_long)
 
 
 @pytest.mark.heavy
