@@ -11,6 +11,7 @@ and `<tag>` becomes an OCI image index (manifest list) over them.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform as host_platform
 import shutil
@@ -310,12 +311,27 @@ def pick_tool(requested: str | None) -> str:
     )
 
 
+# podman refuses a run root longer than this ("the specified runroot is longer than 50 characters", exit 125).
+RUNROOT_MAX = 50
+
+
+def runroot(storage_root: Path) -> Path:
+    """Where a private storage keeps its run state: `storage_root/run`, or, where that path is too long for podman
+    (a deep cache or checkout), a short directory under /tmp named by the storage root's digest (the same root
+    always gets the same one; run state is what a tmpfs is for)."""
+    run = storage_root / "run"
+    if len(str(run)) <= RUNROOT_MAX:
+        return run
+    digest = hashlib.sha256(str(storage_root.absolute()).encode()).hexdigest()[:16]
+    return Path("/tmp") / f"vllm-dflash-run-{digest}"
+
+
 def tool_prefix(tool: str, options: ImageOptions) -> list[str]:
     """The tool and its global storage flags (podman/buildah keep images in `storage_root` when given)."""
     args = [tool]
     if tool in ("podman", "buildah"):
         if options.storage_root is not None:
-            args += ["--root", str(options.storage_root / "root"), "--runroot", str(options.storage_root / "run")]
+            args += ["--root", str(options.storage_root / "root"), "--runroot", str(runroot(options.storage_root))]
         if options.storage_driver:
             args += ["--storage-driver", options.storage_driver]
     return args
