@@ -266,7 +266,7 @@ def test_tag_and_build_commands(manifest: Manifest) -> None:
     assert pod[:7] == ["podman", "--root", "/s/root", "--runroot", "/s/run", "--storage-driver", "vfs"]
     # A storage root too deep for podman's run root (50 characters; a cold CI cache's twin store reached 51): its run
     # state goes to a short directory of its own, the same each time, another for another root.
-    deep = Path("/work/runs/final-cold/cache/containers/cpu-twin")
+    deep = Path("/home/runner/.cache/vllm-dflash-ci/containers/cpu-twin")
     run = img.tool_prefix("podman", replace(opts, storage_root=deep))[4]
     assert len(str(deep / "run")) > img.RUNROOT_MAX >= len(run) and run.startswith("/tmp/vllm-dflash-run-")
     assert run == img.tool_prefix("buildah", replace(opts, storage_root=deep))[4]
