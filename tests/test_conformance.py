@@ -633,8 +633,13 @@ def test_assign_blocks_maps_by_prompt_not_by_order_and_refuses_ambiguity() -> No
 def test_oracle_jobs_split_by_case_and_balanced() -> None:
     """Every trace of one case goes to the same oracle process (its models are loaded once), and the processes get
     about the same number of traces."""
-    jobs = [(Path(f"/c/{c}"), Path(f"/w/{b}/{c}.jsonl"), Path(f"/w/{b}/{c}.m")) for c in "abcde" for b in ("p", "s")]
-    jobs += [(Path("/c/f"), Path("/w/p/f.jsonl"), Path("/w/p/f.m"))]
+    tol = C.TOLERANCES["cpu"]
+    jobs = [
+        compare.OracleJob(Path(f"/c/{c}"), Path(f"/w/{b}/{c}.jsonl"), Path(f"/w/{b}/{c}.m"), tol)
+        for c in "abcde"
+        for b in ("p", "s")
+    ]
+    jobs += [compare.OracleJob(Path("/c/f"), Path("/w/p/f.jsonl"), Path("/w/p/f.m"), tol)]
     chunks = compare.split_by_case(jobs, 2)
     assert sorted(j for c in chunks for j in c) == sorted(jobs) and len(chunks) == 2
     assert all(len({j[0] for j in c} & {j[0] for j in d}) == 0 for c in chunks for d in chunks if c is not d)

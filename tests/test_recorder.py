@@ -213,3 +213,43 @@ def test_the_pool_divisor_is_called_as_each_release_defines_it() -> None:
     assert recorder._pool_bytes_per_block(SimpleNamespace(_pool_bytes_per_block=old), config, groups) == 200
     assert recorder._pool_bytes_per_block(SimpleNamespace(_pool_bytes_per_block=new), config, groups) == 15
     assert recorder._pool_bytes_per_block(SimpleNamespace(), config, groups) is None
+
+
+class _Block:
+    def __init__(self, block_id: int) -> None:
+        self.block_id, self.is_null = block_id, False
+
+
+class _Manager:
+    """A KV-cache manager with one group: what `_record_alloc` reads of vLLM's."""
+
+    def __init__(self) -> None:
+        self.group = SimpleNamespace(req_to_blocks={})
+        self.coordinator = SimpleNamespace(single_type_managers=[self.group])
+
+    def hold(self, rid: str, ids: list[int]) -> None:
+        self.group.req_to_blocks[rid] = [_Block(i) for i in ids]
+        recorder._record_alloc(self, SimpleNamespace(request_id=rid, num_computed_tokens=0), 1, 0, 0)
+
+
+def test_a_new_kv_manager_at_a_freed_ones_address_starts_with_nothing_evicted(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """One process runs engine after engine: a manager made where a freed one lived must not count the blocks that one
+    evicted as handed out again (a full-KV run once read 8 "reused" blocks that way)."""
+    monkeypatch.setenv(recorder.RECORD_FILE_VAR, str(tmp_path / "trace"))
+    first = _Manager()
+    first.hold("a", [1, 2, 3])
+    first.hold("a", [3, 4])  # 1 and 2 fall out of a window while "a" runs
+    first.hold("b", [1])  # ... and come back for another request: that is a reuse
+    address = id(first)
+    del first
+    # The same type and size: CPython hands the freed address out again (bounded search, not a timing).
+    spares: list[_Manager] = []
+    while (second := _Manager()) is not None and id(second) != address and len(spares) < 10_000:
+        spares.append(second)
+    assert id(second) == address, "no manager was made at the freed address; the test cannot show the inheritance"
+    second.hold("c", [2, 5])  # a whole-context run: nothing freed mid-request
+    second.hold("c", [2, 5, 6])
+    lines = [json.loads(line) for line in (tmp_path / ("trace" + recorder.KV_SUFFIX)).read_text().splitlines()]
+    assert [rec["alloc"]["reused"] for rec in lines] == [0, 0, 1, 0, 0]

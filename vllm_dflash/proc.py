@@ -30,7 +30,8 @@ DISK_FULL = ("No space left on device", "Disk quota exceeded")
 
 def echo(args: Sequence[str | os.PathLike[str]], cwd: Path | None = None) -> None:
     where = f"(cd {shlex.quote(str(cwd))}) " if cwd else ""
-    print(f"+ {where}{shlex.join(str(a) for a in args)}", file=sys.stderr, flush=True)
+    # One write per line: commands started from several threads at once must not share a line.
+    print(f"+ {where}{shlex.join(str(a) for a in args)}\n", end="", file=sys.stderr, flush=True)
 
 
 def _disk_full(line: str) -> bool:

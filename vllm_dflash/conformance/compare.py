@@ -449,21 +449,29 @@ def run_vllm_side(
 # --------------------------------------------------------------------------------------------------------------------
 
 
+class OracleJob(NamedTuple):
+    """One trace for the oracle: its case directory, the trace, where its metrics go, and the case's tolerance."""
+
+    case_dir: Path
+    trace: Path
+    out: Path
+    tol: C.Tolerance
+
+
 def run_oracle(
     ref_python: Path,
     manifest: Manifest,
-    jobs: Sequence[tuple[Path, Path, Path]],
-    tol: C.Tolerance,
+    jobs: Sequence[OracleJob],
     stock_model: str = C.STOCK_MODEL,
 ) -> None:
-    """One reference-env process compares every (case_dir, trace) and writes metrics JSON files."""
+    """One reference-env process compares every (case_dir, trace), each with its case's tolerance, and writes metrics
+    JSON files."""
     if not jobs:
         return
-    for _, _, out in jobs:
-        out.unlink(missing_ok=True)
+    for j in jobs:
+        j.out.unlink(missing_ok=True)
     job: dict[str, Any] = {
-        "jobs": [[str(cdir), str(trace), str(out)] for cdir, trace, out in jobs],
-        "tolerance": asdict(tol),
+        "jobs": [[str(j.case_dir), str(j.trace), str(j.out), asdict(j.tol)] for j in jobs],
         "stock_model": stock_model,
     }
     proc.call(
@@ -939,13 +947,13 @@ def _in_parallel(work: Any, items: Sequence[Any], at_once: int) -> None:
         f.result()
 
 
-def split_by_case(jobs: Sequence[tuple[Path, Path, Path]], n: int) -> list[list[tuple[Path, Path, Path]]]:
+def split_by_case(jobs: Sequence[OracleJob], n: int) -> list[list[OracleJob]]:
     """`jobs` in at most `n` chunks, every trace of one case directory in the same chunk (each oracle process loads
     a case's models once), the chunks' trace counts as even as the cases allow (largest case first)."""
-    by_case: dict[Path, list[tuple[Path, Path, Path]]] = {}
+    by_case: dict[Path, list[OracleJob]] = {}
     for job in jobs:
-        by_case.setdefault(job[0], []).append(job)
-    chunks: list[list[tuple[Path, Path, Path]]] = [[] for _ in range(max(1, min(n, len(by_case))))]
+        by_case.setdefault(job.case_dir, []).append(job)
+    chunks: list[list[OracleJob]] = [[] for _ in range(max(1, min(n, len(by_case))))]
     for group in sorted(by_case.values(), key=len, reverse=True):
         min(chunks, key=len).extend(group)
     return [c for c in chunks if c]
@@ -1011,35 +1019,33 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
         side_errors.update(run_vllm_side(group.runner, group.jobs, options.device, options.executor))
         print(f"vLLM process {group.label}: {len(group.jobs)} case(s) in {time.monotonic() - t:.1f} s", flush=True)
 
+    # A build that refused to start a case it should run (stock 0.25 on a mixed drafter): judged from its summary.
+    refused: dict[tuple[str, str], dict[str, Any]] = {}
+    stock_model = C.stock_model_name(fixed)
+
+    def oracle(done: Sequence[SideGroup]) -> None:
+        """The oracle on the traces of `done`'s cases: every case's traces in one process, a process per core (each
+        trace with its case's tolerance, so bf16 and hybrid cases need no processes of their own)."""
+        jobs: list[OracleJob] = []
+        for j in (j for g in done for j in g.jobs):
+            spec = by_name[j.case]
+            if spec.refusal or (j.build, j.case) in side_errors:
+                continue
+            if (summary := _summary(j.trace)) is not None and summary.get("refused"):
+                refused[(j.build, j.case)] = summary
+                continue
+            metrics = j.trace.with_name(f"{j.case}.metrics.json")
+            jobs.append(OracleJob(dirs[j.case], j.trace, metrics, C.tolerance_for(spec, options.device)))
+        chunks = split_by_case(jobs, _cpus())
+        _in_parallel(lambda chunk: run_oracle(ref_python, manifest, chunk, stock_model), chunks, _cpus())
+
+    by_name = {s.name: s for s in runnable}
     # The builds' processes at once where each uses one core (the one-thread in-process executor); the processes of
-    # the named exceptions one at a time (tensor parallel: a core per rank).
+    # the named exceptions one at a time (tensor parallel: a core per rank). (The oracle beside the tensor-parallel
+    # processes saved 2 s of 101 on a quiet machine: they share the same two cores.) Then the oracle on every trace.
     _in_parallel(side, [g for g in groups if g.process == C.PROCESS_BUILD], _concurrency(options))
     _in_parallel(side, [g for g in groups if g.process != C.PROCESS_BUILD], 1)
-    # A build that refused to start a case it should run (stock 0.25 on a mixed drafter): judged from its summary.
-    refused = {
-        (b, s.name): summary
-        for b in options.builds
-        for s in runnable
-        if b in s.builds and not s.refusal and (b, s.name) not in side_errors
-        if (summary := _summary(work / b / f"{s.name}.jsonl")) is not None and summary.get("refused")
-    }
-
-    # The oracle: one process per tolerance (bf16 cases compare with looser bounds than fp32 ones) and per core.
-    oracle_groups: list[tuple[list[tuple[Path, Path, Path]], C.Tolerance]] = []
-    for case_tol in {C.tolerance_for(s, options.device) for s in runnable}:
-        oracle_jobs = [
-            (dirs[s.name], work / b / f"{s.name}.jsonl", work / b / f"{s.name}.metrics.json")
-            for b in options.builds
-            for s in runnable
-            if (b, s.name) not in side_errors
-            and (b, s.name) not in refused
-            and b in s.builds
-            and not s.refusal
-            and C.tolerance_for(s, options.device) == case_tol
-        ]
-        oracle_groups += [(chunk, case_tol) for chunk in split_by_case(oracle_jobs, _cpus())]
-    stock_model = C.stock_model_name(fixed)
-    _in_parallel(lambda g: run_oracle(ref_python, manifest, g[0], g[1], stock_model), oracle_groups, _cpus())
+    oracle(groups)
 
     outcomes: list[Outcome] = []
     for s in specs:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -159,7 +158,7 @@ def _vllm(spec: HybridSpec, model: Path, runs: list[tuple[str, Path]]) -> None:
     from vllm_dflash.conformance import vllm_side
 
     vllm_side.one_openmp_thread()
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    vllm_side.engine_environ("cpu")
     from vllm import LLM, SamplingParams
 
     for run, out in runs:

@@ -748,10 +748,10 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _oracle_main(argv: list[str] | None = None) -> int:
-    """One JSON argument: {"jobs": [[case dir, trace, metrics out], ...], "selftests": [[case dir, out], ...],
-    "tolerance": cases.Tolerance as a dict}."""
+    """One JSON argument: {"jobs": [[case dir, trace, metrics out, its cases.Tolerance as a dict (else "tolerance")],
+    ...], "selftests": [[case dir, out], ...], "tolerance": cases.Tolerance as a dict}."""
     job = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    jobs: list[list[str]] = job.get("jobs") or []
+    jobs: list[list[Any]] = job.get("jobs") or []
     selftests: list[list[str]] = job.get("selftests") or []
     drifts: list[list[str]] = job.get("bf16_drift") or []  # [[case dir, out json], ...]
     if not jobs and not selftests and not drifts:
@@ -781,14 +781,14 @@ def _oracle_main(argv: list[str] | None = None) -> int:
         drift = bf16_drift(get(case_dir))
         _write_json(Path(out), drift)
         print(f"oracle bf16 drift {drift['case']}: max |dlogit| {drift['max_abs']:.3g}", flush=True)
-    for case_dir, trace, out in jobs:
+    for case_dir, trace, out, *job_tol in jobs:
         t0 = time.perf_counter()
         oracle = get(case_dir)
         metrics = evaluate(
             oracle,
             Path(trace),
             (*oracle.case.negatives, stock_model),
-            tol,
+            C.Tolerance(**job_tol[0]) if job_tol else tol,
         )
         metrics.elapsed_s = round(time.perf_counter() - t0, 2)
         _write_json(Path(out), asdict(metrics))

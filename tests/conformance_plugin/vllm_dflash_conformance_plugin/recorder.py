@@ -44,9 +44,11 @@ RECORD_FILE_VAR = "VLLM_DFLASH_RECORD_FILE"
 PERTURB_VAR = "VLLM_DFLASH_RECORDER_PERTURB"
 KV_SUFFIX = ".kv"  # the KV-cache group records go to $VLLM_DFLASH_RECORD_FILE + this
 _state: dict[str, Any] = {"active": False, "block": None, "logits": None, "call": 0, "runner": None}
-# Per KV-cache manager: each request's block ids per group at its last allocation, the ids freed while their request
-# was still running (a sliding-window group dropping blocks outside its window), and how often those came back.
-_kv: dict[int, dict[str, Any]] = {}
+# Kept on each KV-cache manager (attribute _KV_STATE): each request's block ids per group at its last allocation, the
+# ids freed while their request was still running (a sliding-window group dropping blocks outside its window), and how
+# often those came back. On the manager, not in a table keyed by id(manager): one process runs engine after engine, and
+# a new manager at a freed one's address inherited its evicted ids (a full-KV run counted 8 "reused" blocks).
+_KV_STATE = "_vllm_dflash_kv_state"
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
@@ -233,8 +235,16 @@ def _pool_bytes_per_block(kv_cache_utils: Any, vllm_config: Any, groups: Any) ->
     return int(pool(groups))
 
 
+def _kv_state(manager: Any) -> dict[str, Any]:
+    state: dict[str, Any] | None = getattr(manager, _KV_STATE, None)
+    if state is None:
+        state = {"last": {}, "evicted": set(), "reused": 0}
+        setattr(manager, _KV_STATE, state)
+    return state
+
+
 def _record_alloc(manager: Any, request: Any, num_new_tokens: int, num_new_computed: int, lookahead: int) -> None:
-    state = _kv.setdefault(id(manager), {"last": {}, "evicted": set(), "reused": 0})
+    state = _kv_state(manager)
     rid = request.request_id
     ids_now = []
     held = []
@@ -290,7 +300,7 @@ def _install_kv_recorder() -> None:
 
     @functools.wraps(orig_free)
     def free(self: Any, request: Any) -> Any:
-        _kv.get(id(self), {}).get("last", {}).pop(request.request_id, None)  # its blocks go back: not evictions
+        _kv_state(self)["last"].pop(request.request_id, None)  # its blocks go back: not evictions
         return orig_free(self, request)
 
     @functools.wraps(orig_init)
