@@ -14,6 +14,7 @@ temporary directory's size every 30 s, then prints the same table. Running it co
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -220,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default=None, help="the run's label (contains cold or warm to judge those goals)")
     ap.add_argument("--run", choices=("cold", "warm"), help="run the full tier here (cold: a fresh cache)")
     ap.add_argument("--cache", type=Path, default=None, help="the cache for --run (default: a new temporary dir)")
+    ap.add_argument(
+        "--save-order",
+        type=Path,
+        default=None,
+        help="also write each test file's seconds to this JSON file (tests/file_seconds.json: the tier starts the "
+        "longest files first)",
+    )
     args = ap.parse_args(argv)
     if (args.ingest is None) == (args.run is None):
         print("error: give --ingest FILE or --run cold|warm -- one of the two", file=sys.stderr)
@@ -252,7 +260,28 @@ def main(argv: list[str] | None = None) -> int:
         workers = workers_from_text(log.read_text(errors="replace"))
         label = args.label or f"{args.run} full tier"
     print(render(by_part(durations), label, peaks, partial, wall, workers))
+    if args.save_order is not None:
+        save_order(args.save_order, durations, label)
     return 0
+
+
+def file_seconds(durations: Mapping[str, float]) -> dict[str, float]:
+    """Test file -> its tests' seconds, longest first."""
+    out: dict[str, float] = {}
+    for node, seconds in durations.items():
+        file = node.split("::", 1)[0]
+        out[file] = out.get(file, 0.0) + seconds
+    return {f: round(s, 1) for f, s in sorted(out.items(), key=lambda kv: (-kv[1], kv[0]))}
+
+
+def save_order(path: Path, durations: Mapping[str, float], label: str) -> None:
+    """What tests/conftest.py orders the files by (`--dist loadfile` hands whole files out in collection order: a long
+    file collected late ends the run alone)."""
+    doc = {"measured": label, "seconds": file_seconds(durations)}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    print(f"wrote {path} ({len(doc['seconds'])} files)")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,32 @@ EMULATION_FIXTURES = frozenset({"emulated_store"})
 MINIATURE_FIXTURES = frozenset({"mini_models"})
 
 
+# Each test file's seconds in the last measured full tier (benchmarks/bench_tier.py --ingest LOG --save-order).
+FILE_SECONDS = REPO / "tests" / "file_seconds.json"
+
+
+def longest_files_first(items: list[pytest.Item], seconds: Mapping[str, float]) -> list[pytest.Item]:
+    """`items` with whole files reordered, the longest (by `seconds`, keyed like "tests/test_x.py") first; within a
+    file, and among files with no figure (after the measured ones), the collection order stays. `--dist loadfile`
+    hands files to the workers in this order: a long file collected late would end the run alone (the cold tier of
+    2026-12-06 collected tests/test_pins.py, 949 s, about 1,860 s in)."""
+
+    def file_of(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    first = {file_of(item): i for i, item in reversed(list(enumerate(items)))}
+    return sorted(items, key=lambda item: (-seconds.get(file_of(item), -1.0), first[file_of(item)]))
+
+
+def _file_seconds() -> dict[str, float]:
+    try:
+        return {str(k): float(v) for k, v in json.loads(FILE_SECONDS.read_text())["seconds"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}  # no figures (or unreadable): collection order
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items[:] = longest_files_first(items, _file_seconds())
     for item in items:
         uses = set(getattr(item, "fixturenames", ()))
         if uses & MINIATURE_FIXTURES:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
+from conftest import longest_files_first
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_tier.py"
 
@@ -102,3 +104,42 @@ def test_the_tier_goal_is_judged_on_wall_time_under_xdist(tmp_path: Path) -> Non
     xml.write_text('<testsuites><testsuite time="99.5"><testcase classname="tests.test_a" name="t" time="1"/>'
                    "</testsuite></testsuites>")  # fmt: skip
     assert B.wall_from_junit(xml) == 99.5
+
+
+def test_the_tier_starts_the_longest_files_first_and_keeps_each_files_order() -> None:
+    """--save-order's figures (from a run's durations) order whole files, longest first; unmeasured files follow in
+    collection order, and no file's tests are split or reordered."""
+    durations = {"tests/test_a.py::t1": 1.0, "tests/test_b.py::t1": 30.0, "tests/test_b.py::t2": 5.0}
+    durations |= {"tests/test_c.py::t1": 20.0}
+    seconds = B.file_seconds(durations)
+    assert list(seconds) == ["tests/test_b.py", "tests/test_c.py", "tests/test_a.py"]
+    assert seconds["tests/test_b.py"] == 35
+    ids = ["tests/test_a.py::t1", "tests/test_d.py::t1", "tests/test_b.py::t1", "tests/test_b.py::t2"]
+    ids += ["tests/test_e.py::t1", "tests/test_c.py::t1", "tests/test_d.py::t2"]
+    items = [SimpleNamespace(nodeid=i) for i in ids]
+    ordered = [i.nodeid for i in longest_files_first(items, seconds)]  # type: ignore[arg-type]
+    assert ordered == [
+        "tests/test_b.py::t1",
+        "tests/test_b.py::t2",
+        "tests/test_c.py::t1",
+        "tests/test_a.py::t1",
+        "tests/test_d.py::t1",
+        "tests/test_d.py::t2",
+        "tests/test_e.py::t1",
+    ]
+    assert [i.nodeid for i in longest_files_first(items, {})] == [  # type: ignore[arg-type]
+        "tests/test_a.py::t1",
+        "tests/test_d.py::t1",
+        "tests/test_d.py::t2",
+        "tests/test_b.py::t1",
+        "tests/test_b.py::t2",
+        "tests/test_e.py::t1",
+        "tests/test_c.py::t1",
+    ]
+
+
+def test_save_order_writes_the_files_seconds(tmp_path: Path) -> None:
+    out = tmp_path / "file_seconds.json"
+    B.save_order(out, {"tests/test_a.py::t": 2.0, "tests/test_b.py::t": 3.0}, "cold full tier")
+    doc = json.loads(out.read_text())
+    assert doc == {"measured": "cold full tier", "seconds": {"tests/test_b.py": 3.0, "tests/test_a.py": 2.0}}
