@@ -149,19 +149,6 @@ def share_identical(tree: Path, siblings: list[Path], min_bytes: int = SHARE_MIN
     return shared
 
 
-# pip byte-compiles every module it installs: 19,387 files in a pin's base environment, most of them never imported.
-# Our environments install without that and compile what a process imports, once: this file in the venv's
-# site-packages lets its processes write the bytecode cache even where PYTHONDONTWRITEBYTECODE is set (as on the
-# machines this tier runs on), or every start would compile again. Not in an environment's key: what is installed is
-# the same, and an environment built before either way works.
-BYTECODE_PTH = "vllm_dflash_bytecode.pth"
-
-
-def compile_on_import(venv: Path) -> None:
-    for site in venv.glob("lib/python*/site-packages"):
-        (site / BYTECODE_PTH).write_text("import sys; sys.dont_write_bytecode = False\n")
-
-
 @dataclass(frozen=True)
 class VenvSpec:
     """A named venv built by running `pip install <step>` for each step in order."""
@@ -191,7 +178,6 @@ def ensure_venv(spec: VenvSpec, root: Path | None = None) -> Path:
 
     def build(path: Path) -> None:
         proc.call(spec.python, "-m", "venv", path, error=ConformanceError, hint="check that python3-venv works")
-        compile_on_import(path)
         for step in spec.steps:
             proc.call(
                 venv_python(path),
@@ -199,7 +185,6 @@ def ensure_venv(spec: VenvSpec, root: Path | None = None) -> Path:
                 "pip",
                 "install",
                 "--disable-pip-version-check",
-                "--no-compile",
                 *step,
                 env=dict(spec.env),
                 error=ConformanceError,
