@@ -277,10 +277,10 @@ def file_seconds(durations: Mapping[str, float]) -> dict[str, float]:
 def save_order(path: Path, durations: Mapping[str, float], label: str) -> None:
     """What tests/conftest.py orders the files by (`--dist loadfile` hands whole files out in collection order: a long
     file collected late ends the run alone)."""
+    from vllm_dflash.paths import write_text_atomic
+
     doc = {"measured": label, "seconds": file_seconds(durations)}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
     print(f"wrote {path} ({len(doc['seconds'])} files)")
 
 

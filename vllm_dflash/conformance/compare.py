@@ -1019,33 +1019,30 @@ def run_conformance(manifest: Manifest, queues: Queues, options: ConformanceOpti
         side_errors.update(run_vllm_side(group.runner, group.jobs, options.device, options.executor))
         print(f"vLLM process {group.label}: {len(group.jobs)} case(s) in {time.monotonic() - t:.1f} s", flush=True)
 
-    # A build that refused to start a case it should run (stock 0.25 on a mixed drafter): judged from its summary.
-    refused: dict[tuple[str, str], dict[str, Any]] = {}
-    stock_model = C.stock_model_name(fixed)
-
-    def oracle(done: Sequence[SideGroup]) -> None:
-        """The oracle on the traces of `done`'s cases: every case's traces in one process, a process per core (each
-        trace with its case's tolerance, so bf16 and hybrid cases need no processes of their own)."""
-        jobs: list[OracleJob] = []
-        for j in (j for g in done for j in g.jobs):
-            spec = by_name[j.case]
-            if spec.refusal or (j.build, j.case) in side_errors:
-                continue
-            if (summary := _summary(j.trace)) is not None and summary.get("refused"):
-                refused[(j.build, j.case)] = summary
-                continue
-            metrics = j.trace.with_name(f"{j.case}.metrics.json")
-            jobs.append(OracleJob(dirs[j.case], j.trace, metrics, C.tolerance_for(spec, options.device)))
-        chunks = split_by_case(jobs, _cpus())
-        _in_parallel(lambda chunk: run_oracle(ref_python, manifest, chunk, stock_model), chunks, _cpus())
-
-    by_name = {s.name: s for s in runnable}
     # The builds' processes at once where each uses one core (the one-thread in-process executor); the processes of
     # the named exceptions one at a time (tensor parallel: a core per rank). (The oracle beside the tensor-parallel
-    # processes saved 2 s of 101 on a quiet machine: they share the same two cores.) Then the oracle on every trace.
+    # processes saved 2 s of 101 on a quiet machine: they share the same two cores.)
     _in_parallel(side, [g for g in groups if g.process == C.PROCESS_BUILD], _concurrency(options))
     _in_parallel(side, [g for g in groups if g.process != C.PROCESS_BUILD], 1)
-    oracle(groups)
+
+    # The oracle on every trace: every case's traces in one process, a process per core, each trace with its case's
+    # tolerance (so bf16 and hybrid cases need no processes of their own). A build that refused to start a case it
+    # should run (stock 0.25 on a mixed drafter) is judged from its summary instead.
+    by_name = {s.name: s for s in runnable}
+    refused: dict[tuple[str, str], dict[str, Any]] = {}
+    oracle_jobs: list[OracleJob] = []
+    for j in (j for g in groups for j in g.jobs):
+        spec = by_name[j.case]
+        if spec.refusal or (j.build, j.case) in side_errors:
+            continue
+        if (summary := _summary(j.trace)) is not None and summary.get("refused"):
+            refused[(j.build, j.case)] = summary
+            continue
+        out = j.trace.with_name(f"{j.case}.metrics.json")
+        oracle_jobs.append(OracleJob(dirs[j.case], j.trace, out, C.tolerance_for(spec, options.device)))
+    stock_model = C.stock_model_name(fixed)
+    chunks = split_by_case(oracle_jobs, _cpus())
+    _in_parallel(lambda chunk: run_oracle(ref_python, manifest, chunk, stock_model), chunks, _cpus())
 
     outcomes: list[Outcome] = []
     for s in specs:

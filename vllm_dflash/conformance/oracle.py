@@ -1,7 +1,7 @@
 """No-cache reference oracle for the DFlash drafter, built on the authors' `dflash` 0.1.0 package, and its negatives.
 
 Runs inside the dflash reference environment (see `reference_spec`):
-`python -m vllm_dflash.conformance.oracle '{"jobs": [[CASE_DIR, TRACE.jsonl, METRICS.json]], ...}'`
+`python -m vllm_dflash.conformance.oracle '{"jobs": [[CASE_DIR, TRACE.jsonl, METRICS.json, TOLERANCE]], ...}'`
 reads the vLLM side's per-step trace and recomputes every drafter proposal from scratch:
 
 1. target forward (fp32, the transformers class its config.json names: `Qwen3ForCausalLM`, or for a hybrid target
@@ -748,15 +748,14 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _oracle_main(argv: list[str] | None = None) -> int:
-    """One JSON argument: {"jobs": [[case dir, trace, metrics out, its cases.Tolerance as a dict (else "tolerance")],
-    ...], "selftests": [[case dir, out], ...], "tolerance": cases.Tolerance as a dict}."""
+    """One JSON argument: {"jobs": [[case dir, trace, metrics out, its cases.Tolerance as a dict], ...],
+    "selftests": [[case dir, out], ...]}."""
     job = json.loads((argv if argv is not None else sys.argv[1:])[0])
     jobs: list[list[Any]] = job.get("jobs") or []
     selftests: list[list[str]] = job.get("selftests") or []
     drifts: list[list[str]] = job.get("bf16_drift") or []  # [[case dir, out json], ...]
     if not jobs and not selftests and not drifts:
         raise SystemExit("oracle: give at least one job or selftest")
-    tol = C.Tolerance(**job["tolerance"]) if job.get("tolerance") else C.TOLERANCES["cpu"]
     stock_model = str(job.get("stock_model", C.STOCK_MODEL))  # the pin's stock, modelled (informational)
     import torch
     from transformers.utils import logging as hf_logging
@@ -781,14 +780,14 @@ def _oracle_main(argv: list[str] | None = None) -> int:
         drift = bf16_drift(get(case_dir))
         _write_json(Path(out), drift)
         print(f"oracle bf16 drift {drift['case']}: max |dlogit| {drift['max_abs']:.3g}", flush=True)
-    for case_dir, trace, out, *job_tol in jobs:
+    for case_dir, trace, out, tol in jobs:
         t0 = time.perf_counter()
         oracle = get(case_dir)
         metrics = evaluate(
             oracle,
             Path(trace),
             (*oracle.case.negatives, stock_model),
-            C.Tolerance(**job_tol[0]) if job_tol else tol,
+            C.Tolerance(**tol),
         )
         metrics.elapsed_s = round(time.perf_counter() - t0, 2)
         _write_json(Path(out), asdict(metrics))
