@@ -237,6 +237,26 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             os.killpg(int(pid), signal.SIGTERM)
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With VLLM_DFLASH_TEST_TIMELINE=FILE, one JSON line per test phase (setup, call, teardown): the worker that ran
+    it and its wall-clock start and stop. `benchmarks/bench_tier.py --timeline FILE` reads it: what each worker ran
+    when, and which set-ups waited on another worker's work. Written by the controller (or the only process)."""
+    path = os.environ.get("VLLM_DFLASH_TEST_TIMELINE")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    gateway = getattr(getattr(report, "node", None), "gateway", None)
+    line = {
+        "worker": str(getattr(gateway, "id", "main")),
+        "test": report.nodeid,
+        "when": report.when,
+        "start": round(report.start, 3),
+        "stop": round(report.stop, 3),
+        "outcome": report.outcome,
+    }
+    with open(path, "a") as out:  # one write per line: appends from one process never interleave
+        out.write(json.dumps(line) + "\n")
+
+
 def _xdist_controller(config: pytest.Config) -> bool:
     """Whether this process is a pytest-xdist controller (it hands out the tests and runs none itself)."""
     return config.pluginmanager.hasplugin("dsession")
