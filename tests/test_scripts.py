@@ -83,7 +83,7 @@ def test_workers_must_be_a_whole_number(bare_path: dict[str, str], bad: str) -> 
     ), r.stderr
 
 
-@pytest.mark.parametrize(("workers", "xdist"), [("1", ""), ("3", "-n 3 --dist loadfile ")])
+@pytest.mark.parametrize(("workers", "xdist"), [("1", ""), ("3", "-n 3 --dist loadfile --no-loadscope-reorder ")])
 def test_workers_choose_xdist_or_one_process(bare_path: dict[str, str], workers: str, xdist: str) -> None:
     """One worker runs plain pytest; more run pytest-xdist, a test file to a worker (the default, 2, is this)."""
     r = _script({**bare_path, "VLLM_DFLASH_TEST_WORKERS": workers}, "quick", "--", "--collect-only", "-q")
