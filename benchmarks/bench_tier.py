@@ -185,7 +185,7 @@ def render(
 
 
 def _dir_mb(path: Path) -> float:
-    out = subprocess.run(["du", "-sm", str(path)], capture_output=True, text=True, check=False).stdout.split()
+    out = subprocess.run(["du", "-smx", str(path)], capture_output=True, text=True, check=False).stdout.split()
     return float(out[0]) if out else 0.0
 
 

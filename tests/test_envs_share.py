@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from vllm_dflash import envs
 
 BIG = 2 * envs.SHARE_MIN_BYTES
@@ -68,3 +70,15 @@ def test_a_build_shares_with_finished_siblings_only(tmp_path: Path) -> None:
     assert _ino(second / lib) == _ino(first / lib)
     assert _ino(root / "half" / lib) != _ino(first / lib)
     assert os.lstat(first / lib).st_nlink == 2
+
+
+def test_each_vllm_build_keeps_its_own_vllm_cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's model-info cache holds one file per model class, stamped with its module's hash: builds sharing one
+    VLLM_CACHE_ROOT overwrite each other's and re-inspect the class at every start. Each build gets its own root, even
+    where the caller's environment names one."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "shared"))
+    py = Path("/nonexistent/python")
+    stock = envs.VllmEnv(python=py, vllm_dir=tmp_path / "vllm-build-aaa", wheel=tmp_path / "a.whl")
+    ours = envs.VllmEnv(python=py, vllm_dir=tmp_path / "vllm-build-bbb", wheel=tmp_path / "b.whl")
+    roots = {e.environ()["VLLM_CACHE_ROOT"] for e in (stock, ours)}
+    assert roots == {str(tmp_path / "vllm-build-aaa" / ".vllm-cache"), str(tmp_path / "vllm-build-bbb" / ".vllm-cache")}

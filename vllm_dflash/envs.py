@@ -258,15 +258,30 @@ class VllmEnv:
         env = dict(os.environ)
         paths = [str(p) for p in (self.vllm_dir, *self.extra_paths, *extra_pythonpath)]
         env["PYTHONPATH"] = os.pathsep.join(paths)
+        env["VLLM_CACHE_ROOT"] = str(vllm_cache_root(self.vllm_dir))
         if kv_cache_gib is not None:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", kv_cache_gib)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
         return env
 
+    def serve_environ(self) -> dict[str, str]:
+        """The variables a `vllm serve` of this build adds to its caller's environment: the build on sys.path, its own
+        VLLM_CACHE_ROOT."""
+        env = self.environ()
+        return {k: env[k] for k in ("PYTHONPATH", "VLLM_CACHE_ROOT")}
+
     @property
     def vllm_script(self) -> Path:
         """The wheel's own `vllm` console script (installed into the target dir's bin/)."""
         return self.vllm_dir / "bin" / "vllm"
+
+
+def vllm_cache_root(code: Path) -> Path:
+    """VLLM_CACHE_ROOT for the processes that run the vLLM at `code` (a wheel's target dir, a release's tree): a root
+    of its own, whatever the caller's environment says. vLLM keeps one model-info file per model class there, stamped
+    with the hash of that class's module; builds sharing a root (stock and ours, two pins) overwrite each other's
+    files, and each start then inspects the class again in a subprocess that imports vLLM (seconds each)."""
+    return code / ".vllm-cache"
 
 
 def wheel_requirements(wheel: Path) -> tuple[str, ...]:

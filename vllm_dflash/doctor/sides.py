@@ -112,7 +112,7 @@ def columns(manifest: Manifest, queues: Queues, builds: Sequence[str] | None = N
     """The columns the doctor computes, their environments found in the cache or built (first run: minutes and
     several GB, with progress and sizes; later runs: none of it)."""
     from vllm_dflash.conformance.compare import repo_pythonpath
-    from vllm_dflash.envs import reference_python, upstream_tree, vllm_cpu_env
+    from vllm_dflash.envs import reference_python, upstream_tree, vllm_cache_root, vllm_cpu_env
     from vllm_dflash.fetch import fetch
     from vllm_dflash.pipeline.build import cached_build
 
@@ -155,6 +155,7 @@ def columns(manifest: Manifest, queues: Queues, builds: Sequence[str] | None = N
             paths = [str(p) for p in (*tree.pythonpath(), Path(ours_pkg))]
             environ = _side_environ({**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
             environ["VLLM_TARGET_DEVICE"] = "cpu"
+            environ["VLLM_CACHE_ROOT"] = str(vllm_cache_root(tree.source))
             environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
             notes = [f"vLLM {version}'s Python files from its pinned sdist over the pin's CPU environment"]
             notes += [f"{n} {h or 'absent'} where it asks {r}" for n, r, h in tree.kept if n.startswith("torch")]

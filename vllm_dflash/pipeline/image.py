@@ -33,6 +33,7 @@ from vllm_dflash.series import Queues
 TARGETS = ("fast", "full", "cpu")
 WHEEL_TARGETS = ("fast", "cpu")  # targets that install a wheel from dist/ (the others compile)
 CPU_ENV_CONTEXT = "cpu-env"  # the build context the cpu target copies its runtime environment from
+CPU_ENV_PARTS = "cpu-env-parts"  # under the context's dist/: the lists of the environment's files, one per layer
 TOOLS = ("docker", "podman", "buildah")
 DEFAULT_REPO = "vllm-dflash"
 DOCKERFILE = "Dockerfile"
@@ -411,6 +412,42 @@ def _stage_context(wheel: Path, where: Path) -> Path:
     return ctx
 
 
+def env_part_count(dockerfile_text: str) -> int:
+    """How many parts the cpu target copies the environment in: its steps reading dist/cpu-env-parts/N."""
+    import re
+
+    found = re.findall(rf"< /tmp/dist/{CPU_ENV_PARTS}/(\d+)\s*$", dockerfile_text, re.M)
+    return max((int(n) for n in found), default=0)
+
+
+def env_parts(env: Path, count: int) -> list[list[str]]:
+    """The environment's lib/ entries (files, links, empty directories; paths under lib/) dealt into `count` parts of
+    about equal bytes: the largest first, each to the lightest part so far. Each part becomes a layer of its own, so
+    an image build stages one part at a time."""
+    entries: list[tuple[str, int]] = []
+    lib = env / "lib"
+    for dirpath, dirs, files in os.walk(lib):
+        rel = Path(dirpath).relative_to(lib)
+        if not files and not dirs:
+            entries.append((str(rel), 0))
+        names = files + [d for d in dirs if os.path.islink(Path(dirpath) / d)]
+        entries += [(str(rel / n), os.lstat(Path(dirpath) / n).st_size) for n in names]
+    parts: list[list[str]] = [[] for _ in range(count)]
+    weight = [0] * count
+    for path, size in sorted(entries, key=lambda e: (-e[1], e[0])):
+        lightest = weight.index(min(weight))
+        parts[lightest].append(path)
+        weight[lightest] += size
+    return [sorted(part) for part in parts]
+
+
+def _write_env_parts(env: Path, dist: Path, count: int) -> None:
+    where = dist / CPU_ENV_PARTS
+    where.mkdir()
+    for n, part in enumerate(env_parts(env, count), start=1):
+        (where / str(n)).write_bytes(b"".join(p.encode() + b"\0" for p in part))
+
+
 def build_image(labels: ImageLabels, dockerfile: Path, wheel: Path | None, options: ImageOptions) -> ImageResult:
     """Build the image for `options.target`, tag it and return its ID. `wheel` is required for `fast`."""
     if options.target not in TARGETS:
@@ -432,6 +469,12 @@ def build_image(labels: ImageLabels, dockerfile: Path, wheel: Path | None, optio
             f"the cpu target needs the CPU runtime environment (a venv), not {options.cpu_env}",
             "build it with `vllm-dflash image --target cpu`, which makes the environment first",
         )
+    parts = env_part_count(dockerfile.read_text()) if options.target == "cpu" else 0
+    if options.target == "cpu" and parts < 1:
+        raise ContainerError(
+            f"{dockerfile} copies no part of the CPU environment (no step reads dist/{CPU_ENV_PARTS}/N)",
+            "restore the Dockerfile of this vllm-dflash version",
+        )
     if options.platform is not None:
         why_not = can_build_for(options.platform)
         if why_not is not None:
@@ -448,6 +491,8 @@ def build_image(labels: ImageLabels, dockerfile: Path, wheel: Path | None, optio
     work = Path(tempfile.mkdtemp(prefix="build-", dir=scratch))
     try:
         context = _stage_context(wheel, work) if options.target in WHEEL_TARGETS and wheel else dockerfile.parent
+        if options.target == "cpu" and options.cpu_env is not None:
+            _write_env_parts(options.cpu_env, context / "dist", parts)
         iidfile = work / "iid"
         cmd = build_command(tool, options, dockerfile, context, tag, iidfile, args)
         env = {"DOCKER_BUILDKIT": "1"} if tool == "docker" else {}  # RUN --mount needs BuildKit

@@ -78,7 +78,7 @@ def _serve_from(env: envs.VllmEnv, wheel: Path, log_dir: Path | None, health_tim
     return ServerChoice(
         python=env.python,
         wheel=wheel,
-        env={"PYTHONPATH": env.environ()["PYTHONPATH"]},
+        env=env.serve_environ(),
         scripts=env.vllm_dir / "bin",
         log_dir=log_dir,
         health_timeout_s=health_timeout,
