@@ -3,6 +3,7 @@
     python benchmarks/bench_tier.py --ingest RUN.log [--du DU.log]     # a finished run's pytest output
     python benchmarks/bench_tier.py --ingest report.xml                 # or its --junitxml file
     python benchmarks/bench_tier.py --run cold|warm [--cache DIR]       # run the full tier here and time it
+    python benchmarks/bench_tier.py --timeline TIMELINE.jsonl            # what each worker ran when
 
 `--ingest` reads pytest's `--durations=0` lines (`12.34s call     tests/test_x.py::test_y`) or a `--junitxml` file
 and sums each test's setup, call and teardown into the part `part_of` maps it to (one place: PARTS). `--du` reads a
@@ -218,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--ingest", type=Path, help="a finished run's pytest output (--durations=0) or --junitxml file")
     ap.add_argument("--du", type=Path, help="a sampler's log: lines `EPOCH cache=MB tmp=MB ...`")
+    ap.add_argument(
+        "--timeline", type=Path, help="a run's VLLM_DFLASH_TEST_TIMELINE file: each worker's files, busy time, set-ups"
+    )
     ap.add_argument("--label", default=None, help="the run's label (contains cold or warm to judge those goals)")
     ap.add_argument("--run", choices=("cold", "warm"), help="run the full tier here (cold: a fresh cache)")
     ap.add_argument("--cache", type=Path, default=None, help="the cache for --run (default: a new temporary dir)")
@@ -229,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
         "longest files first)",
     )
     args = ap.parse_args(argv)
+    if args.timeline is not None and args.ingest is None and args.run is None:
+        if not args.timeline.is_file():
+            print(f"error: {args.timeline} is not a file -- pass a VLLM_DFLASH_TEST_TIMELINE file", file=sys.stderr)
+            return 2
+        print(render_timeline(read_timeline(args.timeline.read_text(errors="replace").splitlines())))
+        return 0
     if (args.ingest is None) == (args.run is None):
         print("error: give --ingest FILE or --run cold|warm -- one of the two", file=sys.stderr)
         return 2
@@ -260,9 +270,65 @@ def main(argv: list[str] | None = None) -> int:
         workers = workers_from_text(log.read_text(errors="replace"))
         label = args.label or f"{args.run} full tier"
     print(render(by_part(durations), label, peaks, partial, wall, workers))
+    if args.timeline is not None and args.timeline.is_file():
+        print("\n" + render_timeline(read_timeline(args.timeline.read_text(errors="replace").splitlines())))
     if args.save_order is not None:
         save_order(args.save_order, durations, label)
     return 0
+
+
+@dataclass(frozen=True)
+class Phase:
+    worker: str
+    test: str
+    when: str  # setup | call | teardown
+    start: float
+    stop: float
+
+
+def read_timeline(lines: Iterable[str]) -> list[Phase]:
+    """tests/conftest.py's VLLM_DFLASH_TEST_TIMELINE lines (one JSON object per test phase); others are skipped."""
+    out: list[Phase] = []
+    for line in lines:
+        try:
+            d = json.loads(line)
+            out.append(Phase(str(d["worker"]), str(d["test"]), str(d["when"]), float(d["start"]), float(d["stop"])))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return sorted(out, key=lambda p: p.start)
+
+
+def render_timeline(phases: list[Phase], top: int = 12) -> str:
+    """Per worker: when it started and ended, its files in the order it ran them, and the time between its phases
+    (the worker's own bookkeeping, or nothing to run); then the longest set-ups, where a fixture built shared work
+    or waited on a lock another worker held."""
+    if not phases:
+        return "timeline: no phases"
+    t0 = min(p.start for p in phases)
+    end = max(p.stop for p in phases)
+    lines = [f"timeline: {len(phases)} phases, {(end - t0) / 60:.1f} min from the first to the last", ""]
+    lines += ["| worker | first | last | busy | between phases |", "| --- | ---: | ---: | ---: | ---: |"]
+    workers = sorted({p.worker for p in phases})
+    for w in workers:
+        mine = [p for p in phases if p.worker == w]
+        busy = sum(p.stop - p.start for p in mine)
+        span = max(p.stop for p in mine) - min(p.start for p in mine)
+        lines.append(
+            f"| {w} | {min(p.start for p in mine) - t0:.0f} s | {max(p.stop for p in mine) - t0:.0f} s "
+            f"| {busy:.0f} s | {span - busy:.0f} s |"
+        )
+    for w in workers:
+        files: dict[str, list[float]] = {}
+        for p in phases:
+            if p.worker == w:
+                f = files.setdefault(p.test.split("::", 1)[0], [p.start, p.stop])
+                f[1] = max(f[1], p.stop)
+        order = ", ".join(f"{name.removeprefix('tests/')} {a - t0:.0f}-{b - t0:.0f}" for name, (a, b) in files.items())
+        lines.append(f"\n{w}: {order}")
+    setups = sorted((p for p in phases if p.when == "setup"), key=lambda p: p.start - p.stop)[:top]
+    lines += ["", "| longest set-ups | worker | at | seconds |", "| --- | --- | ---: | ---: |"]
+    lines += [f"| {p.test} | {p.worker} | {p.start - t0:.0f} s | {p.stop - p.start:.0f} |" for p in setups]
+    return "\n".join(lines)
 
 
 def file_seconds(durations: Mapping[str, float]) -> dict[str, float]:

@@ -143,3 +143,52 @@ def test_save_order_writes_the_files_seconds(tmp_path: Path) -> None:
     B.save_order(out, {"tests/test_a.py::t": 2.0, "tests/test_b.py::t": 3.0}, "cold full tier")
     doc = json.loads(out.read_text())
     assert doc == {"measured": "cold full tier", "seconds": {"tests/test_b.py": 3.0, "tests/test_a.py": 2.0}}
+
+
+def test_the_timeline_shows_each_workers_files_busy_time_and_longest_setups(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What tests/conftest.py writes under VLLM_DFLASH_TEST_TIMELINE, read back: the time between a worker's phases
+    is its span less its phases, and the longest set-up comes first."""
+    rows = [
+        ("gw0", "tests/test_a.py::t1", "setup", 100.0, 160.0),
+        ("gw0", "tests/test_a.py::t1", "call", 160.0, 170.0),
+        ("gw0", "tests/test_b.py::t2", "call", 180.0, 190.0),  # 10 s after test_a's last phase
+        ("gw1", "tests/test_c.py::t3", "setup", 100.0, 105.0),
+        ("gw1", "tests/test_c.py::t3", "call", 105.0, 300.0),
+    ]
+    path = tmp_path / "timeline.jsonl"
+    lines = [json.dumps(dict(zip(("worker", "test", "when", "start", "stop"), r, strict=True))) for r in rows]
+    path.write_text("\n".join([*lines, "not json", '{"worker": "gw9"}']) + "\n")
+    assert B.main(["--timeline", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| gw0 | 0 s | 90 s | 80 s | 10 s |" in out and "| gw1 | 0 s | 200 s | 200 s | 0 s |" in out
+    assert "gw0: test_a.py 0-70, test_b.py 80-90" in out
+    setups = [line for line in out.splitlines() if line.startswith("| tests/")]
+    assert setups[0] == "| tests/test_a.py::t1 | gw0 | 0 s | 60 |", setups
+    assert B.main(["--timeline", str(tmp_path / "absent.jsonl")]) == 2
+
+
+def test_conftest_writes_the_timeline_a_run_is_read_from(tmp_path: Path) -> None:
+    """A real two-worker pytest run with VLLM_DFLASH_TEST_TIMELINE: the controller writes every phase of every test,
+    each named by the worker that ran it."""
+    import os
+    import subprocess
+
+    path = tmp_path / "timeline.jsonl"
+    files = ["tests/test_proc.py", "tests/test_cache.py"]
+    env = {**os.environ, "VLLM_DFLASH_TEST_TIMELINE": str(path)}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider", *files],
+        cwd=_PATH.parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout[-2000:]
+    phases = B.read_timeline(path.read_text().splitlines())
+    tests = {p.test for p in phases}
+    assert {p.when for p in phases} == {"setup", "call", "teardown"} and len(phases) == 3 * len(tests)
+    assert {p.worker for p in phases} <= {"gw0", "gw1"} and {p.test.split("::")[0] for p in phases} == set(files)
+    assert all(p.stop >= p.start for p in phases)
