@@ -195,15 +195,18 @@ def ensure_venv(spec: VenvSpec, root: Path | None = None) -> Path:
 
 
 def ensure_target(name: str, source: Path, python: Path, root: Path | None = None) -> Path:
-    """`pip install --no-deps --target envs/<name>` of a wheel or project dir; reused once finished."""
+    """`pip install --no-deps --target envs/<name>` of a wheel or project dir; reused once finished. A throwaway
+    target (`root` given: one process runs it, then it is removed) skips pip's byte-compiling of every module: that
+    process compiles only what it imports."""
 
     def build(tmp: Path) -> None:
-        _pip_target(python, tmp, [source], f"check that {source} is a valid wheel or project")
+        hint = f"check that {source} is a valid wheel or project"
+        _pip_target(python, tmp, [source], hint, compile_all=root is None)
 
     return _build_once(envs_dir(root) / name, build, f"{source.name} (--target)")
 
 
-def _pip_target(python: Path, tmp: Path, what: Sequence[str | Path], hint: str) -> None:
+def _pip_target(python: Path, tmp: Path, what: Sequence[str | Path], hint: str, compile_all: bool = True) -> None:
     """`pip install --no-deps --target tmp` of wheels, projects or requirements (no resolver: they are pinned)."""
     proc.call(
         python,
@@ -212,6 +215,7 @@ def _pip_target(python: Path, tmp: Path, what: Sequence[str | Path], hint: str) 
         "install",
         "--disable-pip-version-check",
         "--no-deps",
+        *(() if compile_all else ("--no-compile",)),
         "--target",
         tmp,
         *what,
