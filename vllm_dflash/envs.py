@@ -182,11 +182,10 @@ def ensure_venv(spec: VenvSpec, root: Path | None = None) -> Path:
     seed = spec.seed
     if seed is not None and (seed.steps != spec.steps[: len(seed.steps)] or seed.python != spec.python):
         raise ValueError(f"{seed.name} is no seed of {spec.name}: its steps must be the first of {spec.name}'s")
-    seed_path = ensure_venv(seed, root) if seed is not None else None
 
     def build(path: Path) -> None:
-        if seed is not None and seed_path is not None:
-            _clone_venv(seed_path, path)
+        if seed is not None:  # only when this venv is built: a cache that has it needs no seed
+            _clone_venv(ensure_venv(seed, root), path)
         else:
             proc.call(spec.python, "-m", "venv", path, error=ConformanceError, hint="check that python3-venv works")
         for step in spec.steps[len(seed.steps) if seed is not None else 0 :]:

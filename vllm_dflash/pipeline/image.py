@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform as host_platform
+import re
 import shutil
 import subprocess
 import sys
@@ -414,8 +415,6 @@ def _stage_context(wheel: Path, where: Path) -> Path:
 
 def env_part_count(dockerfile_text: str) -> int:
     """How many parts the cpu target copies the environment in: its steps reading dist/cpu-env-parts/N."""
-    import re
-
     found = re.findall(rf"< /tmp/dist/{CPU_ENV_PARTS}/(\d+)\s*$", dockerfile_text, re.M)
     return max((int(n) for n in found), default=0)
 
