@@ -159,6 +159,7 @@ def _vllm(spec: HybridSpec, model: Path, runs: list[tuple[str, Path]]) -> None:
 
     vllm_side.one_openmp_thread()
     vllm_side.engine_environ("cpu")
+    vllm_side.inspect_models_here()
     from vllm import LLM, SamplingParams
 
     for run, out in runs:

@@ -86,6 +86,17 @@ def engine_environ(device: str) -> None:
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
+def inspect_models_here() -> None:
+    """vLLM inspects each model class it has no cached answer for in a subprocess that imports torch and vLLM again
+    (5-10 s on 2 cores), to keep CUDA out of its own process. A CPU side process has no CUDA to keep out: the same
+    inspection (`_ModelInfo.from_model_cls` of the loaded class) runs in this process, and vLLM caches its answer as
+    before. Call after the environment is set (this imports vLLM)."""
+    from vllm.model_executor.models import registry
+
+    if hasattr(registry, "_run_in_subprocess"):
+        registry._run_in_subprocess = lambda fn: fn()
+
+
 def one_openmp_thread() -> None:
     """One OpenMP thread in this process, set before torch starts its pool (`uni-1t`): the in-process worker cannot
     bind threads, and two unbound threads spin-waiting on a loaded 2-core machine cost far more than they give."""
@@ -656,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
         record_file.with_name(record_file.name + KV_SUFFIX).unlink(missing_ok=True)
         os.environ[RECORD_FILE_VAR] = str(record_file)
         _prepare_environ(device)
+        if device == "cpu":
+            inspect_models_here()
         try:
             with case_environ(env):
                 summary = run_case(case_dir, out, device, executor)

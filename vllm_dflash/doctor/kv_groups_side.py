@@ -155,6 +155,9 @@ def groups(job: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """One job object, or {"jobs": [...]}: a list of results in one process (vLLM is imported once)."""
     job = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    from vllm_dflash.conformance.vllm_side import inspect_models_here
+
+    inspect_models_here()
     out = [groups(j) for j in job["jobs"]] if "jobs" in job else groups(job)
     print(json.dumps(out), flush=True)
     return 0

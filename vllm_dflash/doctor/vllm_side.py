@@ -155,6 +155,9 @@ class Side:
         import torch
         import vllm
 
+        from vllm_dflash.conformance.vllm_side import inspect_models_here
+
+        inspect_models_here()  # the meta device and the CPU: no CUDA for a subprocess to keep out
         if os.environ.get("VLLM_DFLASH_SIDE_WAIVE_TRITON"):
             # An upstream release whose x86 CPU platform refuses to configure without triton-cpu (0.34): nothing here
             # runs a kernel (the models are built on the meta device), so the check is waived (sides.py says so).
