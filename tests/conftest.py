@@ -237,12 +237,19 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             os.killpg(int(pid), signal.SIGTERM)
 
 
+_IS_WORKER: list[bool] = []  # set once per process by pytest_configure
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _IS_WORKER.append(_worker_id(config) is not None)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With VLLM_DFLASH_TEST_TIMELINE=FILE, one JSON line per test phase (setup, call, teardown): the worker that ran
     it and its wall-clock start and stop. `benchmarks/bench_tier.py --timeline FILE` reads it: what each worker ran
     when, and which set-ups waited on another worker's work. Written by the controller (or the only process)."""
     path = os.environ.get("VLLM_DFLASH_TEST_TIMELINE")
-    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not path or any(_IS_WORKER):  # a worker's reports reach the controller, which writes them
         return
     gateway = getattr(getattr(report, "node", None), "gateway", None)
     line = {
