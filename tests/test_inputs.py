@@ -83,8 +83,13 @@ def user(tmp_path: Path) -> Iterator[Path]:
         os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(1, minor))
     os.mkfifo(dev / "fifo")
     sock = socket.socket(socket.AF_UNIX)
-    sock.bind(str(dev / "sock"))
-    sock.close()
+    here = os.getcwd()
+    os.chdir(dev)  # bound by a relative name: a socket's path is limited to 108 bytes, and TMPDIR may be deep
+    try:
+        sock.bind("sock")
+    finally:
+        os.chdir(here)
+        sock.close()
     etc = root / "etc-like"
     etc.mkdir()
     (etc / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
