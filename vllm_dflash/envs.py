@@ -209,7 +209,7 @@ def _clone_venv(src: Path, dest: Path) -> None:
     records its own path (pyvenv.cfg, bin/'s scripts and activate files) rewritten, not linked. Compiled modules keep
     `src`'s path inside; Python sets a module's file from where it was imported. pip replaces files, never rewrites
     one, so later steps in `dest` leave `src` as it was."""
-    print(f"+ cp -al {src} {dest}  (the seed environment, as hard links)", flush=True)
+    print(f"{dest.name}: starting from the seed environment {src.name} (hard links)", flush=True)
     shutil.copytree(
         src, dest, symlinks=True, copy_function=os.link, ignore=lambda d, names: [_MARKER] if Path(d) == src else []
     )
