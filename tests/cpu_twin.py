@@ -7,8 +7,8 @@ keeps layers, so a new wheel on the same environment adds one layer (~0.6 GB) an
 ~6 GB again. The environment comes in parts of ~1 GB, a layer each (the Dockerfile's cpu-runtime stage), so the
 build's temporary space holds one part at a time. With the overlay driver (where the kernel mounts it) a container
 costs no copy of the image, and the environment's layers share their files (hard links) with the cache's
-environment, so the cache holds them once. vfs is the fallback where overlay cannot mount: correct, but each layer
-and container is a full copy.
+environment as soon as the build commits each one, so the cache holds them once (a part or two twice, while the
+build runs). vfs is the fallback where overlay cannot mount: correct, but each layer and container is a full copy.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import json
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -76,6 +78,9 @@ class Twin:
     built_s: float | None  # None: found in the store (warm)
     size_bytes: int
     base_bytes: int
+    # Bytes of the environment's layers linked to the cache's environment while the build still ran (None: not built
+    # now, or a driver without plain layer directories).
+    shared_while_building: int | None = None
 
     @property
     def prefix(self) -> list[str]:
@@ -120,6 +125,80 @@ def _share_with_env(prefix: Sequence[str], tag: str, env: Path) -> int:
         if (venv / "lib").is_dir():  # a layer of the environment's parts (Dockerfile stage cpu-runtime) or the wheel's
             shared += envs.share_identical(venv, [env])
     return shared
+
+
+def _committed_env_layers(graph: Path) -> list[Path]:
+    """`opt/venv` of every layer a committed image in the store at `graph` holds (an image is written only once its
+    layers are complete) that carries the environment's files. Empty while the store's records are not yet written."""
+    try:
+        images = json.loads((graph / "overlay-images" / "images.json").read_text())
+        layers = {rec["id"]: rec for rec in json.loads((graph / "overlay-layers" / "layers.json").read_text())}
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    found: list[Path] = []
+    seen: set[str] = set()
+    for image in images:
+        layer_id = image.get("layer") if isinstance(image, dict) else None
+        while isinstance(layer_id, str) and layer_id not in seen:
+            seen.add(layer_id)
+            venv = graph / "overlay" / layer_id / "diff" / "opt" / "venv"
+            if (venv / "lib").is_dir():
+                found.append(venv)
+            layer_id = layers.get(layer_id, {}).get("parent")
+    return found
+
+
+# Run by _share_outside_store in a mount namespace of its own: bind the directory holding both the store and the
+# environment (not recursively, so without the store's own mount) and link there.
+_SHARE_SCRIPT = """
+import subprocess, sys
+from pathlib import Path
+from vllm_dflash import envs
+top, mount, env, *venvs = map(Path, sys.argv[1:])
+subprocess.run(["mount", "--bind", str(top), str(mount)], check=True)
+print(sum(envs.share_identical(mount / v.relative_to(top), [mount / env.relative_to(top)]) for v in venvs))
+"""
+
+
+def _share_outside_store(top: Path, venvs: list[Path], env: Path) -> int:
+    """envs.share_identical for layers of a store podman is using: c/storage then bind-mounts the store's overlay
+    directory onto itself, and Linux refuses a hard link across two mounts (EXDEV) even on one file system. A child
+    in its own mount namespace sees `top` (which holds the store and `env`) through one plain bind and links there;
+    that bind ends with the child. 0 where that cannot run (no root, no unshare): the build's end shares them."""
+    with tempfile.TemporaryDirectory(prefix="twin-share-") as mount:
+        cmd = ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", _SHARE_SCRIPT]
+        res = subprocess.run(
+            [*cmd, str(top), mount, str(env), *map(str, venvs)], capture_output=True, text=True, check=False
+        )
+    out = res.stdout.strip().splitlines()
+    return int(out[-1]) if res.returncode == 0 and out and out[-1].isdigit() else 0
+
+
+@contextlib.contextmanager
+def _share_as_committed(graph: Path, env: Path, every_s: float = 5.0, top: Path | None = None) -> Iterator[list[int]]:
+    """While the build runs, hard-link each environment layer's files to the cache's environment as soon as an image
+    holds that layer, so the store never holds the whole environment beside the cache's (each part is ~1 GB; the
+    cache's peak was the environment twice). `graph` and `env` are both under `top` (default: the cache directory).
+    Yields a one-item list: the bytes shared so far."""
+    stop = threading.Event()
+    done: set[Path] = set()
+    shared = [0]
+    top = top or cache_dir()
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            new = [venv for venv in _committed_env_layers(graph) if venv not in done]
+            if new:
+                done.update(new)
+                shared[0] += _share_outside_store(top, new, env)
+
+    sharer = threading.Thread(target=loop, name="twin-layer-sharer", daemon=True)
+    sharer.start()
+    try:
+        yield shared
+    finally:
+        stop.set()
+        sharer.join()
 
 
 def _collect(prefix: Sequence[str], keep: str) -> None:
@@ -181,14 +260,21 @@ def ensure_twin(manifest: Manifest) -> Twin:
         labels = img.labels_from_wheel(wheel, SOURCE)
         tag = img.image_tag(labels.version, opts.repo) + "-cpu"
         built_s: float | None = None
+        early_bytes: int | None = None
         if not _exists(prefix, tag):
             if not _exists(prefix, base):
                 subprocess.run([*prefix, "import", str(tarball), base], check=True, capture_output=True)
             t0 = time.monotonic()
-            img.build_image(labels, REPO / "Dockerfile", wheel, opts)
+            graph = root / "root"
+            with _share_as_committed(graph, env) if driver == "overlay" else contextlib.nullcontext([0]) as early:
+                img.build_image(labels, REPO / "Dockerfile", wheel, opts)
             built_s = time.monotonic() - t0
-            shared = _share_with_env(prefix, tag, env)
-            print(f"CPU twin {tag}: built in {built_s:.0f} s ({driver}); {shared / 2**30:.1f} GiB shared with {env}")
+            early_bytes = early[0] if driver == "overlay" else None
+            shared = early[0] + _share_with_env(prefix, tag, env)
+            print(
+                f"CPU twin {tag}: built in {built_s:.0f} s ({driver}); {shared / 2**30:.1f} GiB shared with {env}, "
+                f"{early[0] / 2**30:.1f} GiB of it while the build ran"
+            )
             _collect(prefix, tag)
         info = _inspect(prefix, tag)
         base_info = _inspect(prefix, base)
@@ -199,6 +285,7 @@ def ensure_twin(manifest: Manifest) -> Twin:
             wheel=wheel,
             env=env,
             built_s=built_s,
+            shared_while_building=early_bytes,
             size_bytes=int(str(info["Size"])),
             base_bytes=int(str(base_info["Size"])),
         )

@@ -3,7 +3,9 @@ holds each pin's torch stack once; anything that differs in bytes, mode or place
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -117,3 +119,43 @@ def test_a_seed_must_be_the_first_steps_of_what_it_seeds() -> None:
     spec = envs.VenvSpec(name="vllm-cpu-base", steps=(good.steps[0], ("vllm",)), seed=bad)
     with pytest.raises(ValueError, match="is no seed of vllm-cpu-base"):
         envs.ensure_venv(spec)
+
+
+def _store(graph: Path, images: list[dict[str, object]], layers: list[dict[str, object]]) -> None:
+    for name, records in (("overlay-images/images.json", images), ("overlay-layers/layers.json", layers)):
+        (graph / name).parent.mkdir(parents=True, exist_ok=True)
+        (graph / name).write_text(json.dumps(records))
+
+
+def test_the_twin_shares_each_environment_layer_once_an_image_holds_it(tmp_path: Path) -> None:
+    """The CPU twin's build links the environment's layers to the cache's environment while it runs: only layers that
+    a committed image holds (the image's top layer and its parents), and only those carrying opt/venv/lib."""
+    from cpu_twin import _committed_env_layers, _share_as_committed
+
+    if os.geteuid() != 0:
+        pytest.skip("the twin links in a mount namespace of its own, which needs root (as the twin itself does)")
+    graph, env = tmp_path / "store", tmp_path / "env"
+    same = b"t" * BIG
+    _write(env / "lib" / "torch.so", same)
+    for layer in ("base", "part1", "part2", "running"):
+        _write(graph / "overlay" / layer / "diff" / "opt" / "venv" / "lib" / "torch.so", same)
+    chain: list[dict[str, object]] = [
+        {"id": "base"},
+        {"id": "part1", "parent": "base"},
+        {"id": "part2", "parent": "part1"},
+    ]
+    assert _committed_env_layers(graph) == []  # nothing written yet: nothing to share
+    _store(graph, [{"id": "img1", "layer": "part1"}], [*chain, {"id": "running", "parent": "part2"}])
+    venvs = {p.parts[-4] for p in _committed_env_layers(graph)}
+    assert venvs == {"base", "part1"}  # part2 and the running step's layer: no image holds them yet
+
+    _store(graph, [{"id": "img1", "layer": "part1"}, {"id": "img2", "layer": "part2"}], chain)
+    with _share_as_committed(graph, env, every_s=0.01, top=tmp_path) as shared:
+        deadline = time.monotonic() + 10
+        while shared[0] < 3 * BIG and time.monotonic() < deadline:
+            time.sleep(0.01)
+    torch = env / "lib" / "torch.so"
+    for layer in ("base", "part1", "part2"):
+        assert _ino(graph / "overlay" / layer / "diff" / "opt" / "venv" / "lib" / "torch.so") == _ino(torch)
+    assert _ino(graph / "overlay" / "running" / "diff" / "opt" / "venv" / "lib" / "torch.so") != _ino(torch)
+    assert shared == [3 * BIG]
