@@ -30,7 +30,7 @@ from vllm_dflash.errors import (
 
 DIST_TOML = "dist.toml"
 SECRET = "s3cr3t-pw"  # a password in a URL: never echoed
-DEAD = ("--endpoint", "http://127.0.0.1:9")  # nothing listens on the discard port
+DEAD = ("--endpoint", "http://127.0.0.1:9", "--health-timeout", "1")  # nothing listens on the discard port
 FOREIGN = "aarch64" if platform.machine() == "x86_64" else "x86_64"  # its handler hidden (VLLM_DFLASH_BINFMT_DIR)
 
 

@@ -38,7 +38,8 @@ from vllm_dflash.manifest import Manifest
 
 DEAD_INDEX = "http://127.0.0.1:9/simple"  # nothing listens on the discard port: a NetworkError at the first fetch
 DEAD_ENDPOINT = "http://127.0.0.1:9"
-DEAD = ("--endpoint", DEAD_ENDPOINT)  # validate against nothing: a MeasurementError once the checks passed
+# validate against nothing: a MeasurementError once the checks passed (after 1 s, not the endpoint default's 30 s)
+DEAD = ("--endpoint", DEAD_ENDPOINT, "--health-timeout", "1")
 SDIST_STAGE = "1/3 source"
 
 
