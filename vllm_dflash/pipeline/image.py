@@ -358,8 +358,16 @@ def build_args(labels: ImageLabels, options: ImageOptions, wheel: Path | None) -
 
 
 def build_command(
-    tool: str, options: ImageOptions, dockerfile: Path, context: Path, tag: str, iidfile: Path, args: Mapping[str, str]
+    tool: str,
+    options: ImageOptions,
+    dockerfile: Path,
+    context: Path,
+    tag: str,
+    iidfile: Path,
+    args: Mapping[str, str],
+    stage: str | None = None,
 ) -> list[str]:
+    """The build of `options.target`, or of an earlier `stage` of it (env_part_stages)."""
     cmd = tool_prefix(tool, options)
     cmd += ["bud"] if tool == "buildah" else ["build"]
     if tool in ("podman", "buildah"):
@@ -373,7 +381,7 @@ def build_command(
         cmd += ["--platform", OCI_PLATFORMS[options.platform]]
     if options.target == "cpu" and options.cpu_env is not None:
         cmd += ["--build-context", f"{CPU_ENV_CONTEXT}={options.cpu_env}"]
-    cmd += ["-f", str(dockerfile), "--target", options.target, "-t", tag, "--iidfile", str(iidfile)]
+    cmd += ["-f", str(dockerfile), "--target", stage or options.target, "-t", tag, "--iidfile", str(iidfile)]
     for key, value in sorted(args.items()):
         cmd += ["--build-arg", f"{key}={value}"]
     cmd.append(str(context))
@@ -417,6 +425,14 @@ def env_part_count(dockerfile_text: str) -> int:
     """How many parts the cpu target copies the environment in: its steps reading dist/cpu-env-parts/N."""
     found = re.findall(rf"< /tmp/dist/{CPU_ENV_PARTS}/(\d+)\s*$", dockerfile_text, re.M)
     return max((int(n) for n in found), default=0)
+
+
+def env_part_stages(dockerfile_text: str) -> list[str]:
+    """The stages before the cpu target's last environment part (`FROM ... AS cpu-env-N`), in order. A build that
+    keeps layers with podman or buildah builds each in an invocation of its own first: one invocation keeps every
+    step's working container (each a copy of its part, ~1 GB) until it ends, so the store would hold the environment
+    twice; stage by stage it holds one part's container at a time."""
+    return re.findall(r"^FROM\s+\S+\s+AS\s+(cpu-env-\d+)\s*$", dockerfile_text, re.M | re.I)
 
 
 def env_parts(env: Path, count: int) -> list[list[str]]:
@@ -468,7 +484,8 @@ def build_image(labels: ImageLabels, dockerfile: Path, wheel: Path | None, optio
             f"the cpu target needs the CPU runtime environment (a venv), not {options.cpu_env}",
             "build it with `vllm-dflash image --target cpu`, which makes the environment first",
         )
-    parts = env_part_count(dockerfile.read_text()) if options.target == "cpu" else 0
+    text = dockerfile.read_text()
+    parts = env_part_count(text) if options.target == "cpu" else 0
     if options.target == "cpu" and parts < 1:
         raise ContainerError(
             f"{dockerfile} copies no part of the CPU environment (no step reads dist/{CPU_ENV_PARTS}/N)",
@@ -493,10 +510,16 @@ def build_image(labels: ImageLabels, dockerfile: Path, wheel: Path | None, optio
         if options.target == "cpu" and options.cpu_env is not None:
             _write_env_parts(options.cpu_env, context / "dist", parts)
         iidfile = work / "iid"
-        cmd = build_command(tool, options, dockerfile, context, tag, iidfile, args)
+        stepwise = options.target == "cpu" and options.layers and tool in ("podman", "buildah")
+        stages = env_part_stages(text) if stepwise else []
         env = {"DOCKER_BUILDKIT": "1"} if tool == "docker" else {}  # RUN --mount needs BuildKit
         print(f"building {tag} ({options.target} target) with {tool}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
+        for n, stage in enumerate(stages, start=1):
+            print(f"building stage {stage} ({n} of {len(stages)}) of {tag}", file=sys.stderr, flush=True)
+            step = build_command(tool, options, dockerfile, context, tag, work / "iid-stage", args, stage=stage)
+            proc.call(*step, env=env, error=ContainerError, hint=f"see the {tool} output above")
+        cmd = build_command(tool, options, dockerfile, context, tag, iidfile, args)
         proc.call(*cmd, env=env, error=ContainerError, hint=f"see the {tool} output above")
         seconds = time.monotonic() - t0
         digest = iidfile.read_text().strip() if iidfile.is_file() else ""
