@@ -78,9 +78,9 @@ class Twin:
     built_s: float | None  # None: found in the store (warm)
     size_bytes: int
     base_bytes: int
-    # Bytes of the environment's layers linked to the cache's environment while the build still ran (None: not built
-    # now, or a driver without plain layer directories).
-    shared_while_building: int | None = None
+    # Bytes of the environment's layers the build's end still found unshared with the cache's environment (0: every
+    # layer was linked as soon as an image held it; None: not built now, or a driver without plain layer directories).
+    left_after_build: int | None = None
 
     @property
     def prefix(self) -> list[str]:
@@ -199,6 +199,8 @@ def _share_as_committed(graph: Path, env: Path, every_s: float = 5.0, top: Path 
     finally:
         stop.set()
         sharer.join()
+        if new := [venv for venv in _committed_env_layers(graph) if venv not in done]:  # committed in the last poll
+            shared[0] += _share_outside_store(top, new, env)
 
 
 def _collect(prefix: Sequence[str], keep: str) -> None:
@@ -260,7 +262,7 @@ def ensure_twin(manifest: Manifest) -> Twin:
         labels = img.labels_from_wheel(wheel, SOURCE)
         tag = img.image_tag(labels.version, opts.repo) + "-cpu"
         built_s: float | None = None
-        early_bytes: int | None = None
+        left: int | None = None
         if not _exists(prefix, tag):
             if not _exists(prefix, base):
                 subprocess.run([*prefix, "import", str(tarball), base], check=True, capture_output=True)
@@ -269,11 +271,11 @@ def ensure_twin(manifest: Manifest) -> Twin:
             with _share_as_committed(graph, env) if driver == "overlay" else contextlib.nullcontext([0]) as early:
                 img.build_image(labels, REPO / "Dockerfile", wheel, opts)
             built_s = time.monotonic() - t0
-            early_bytes = early[0] if driver == "overlay" else None
-            shared = early[0] + _share_with_env(prefix, tag, env)
+            after = _share_with_env(prefix, tag, env)
+            left = after if driver == "overlay" else None
             print(
-                f"CPU twin {tag}: built in {built_s:.0f} s ({driver}); {shared / 2**30:.1f} GiB shared with {env}, "
-                f"{early[0] / 2**30:.1f} GiB of it while the build ran"
+                f"CPU twin {tag}: built in {built_s:.0f} s ({driver}); {(early[0] + after) / 2**30:.1f} GiB shared "
+                f"with {env}, {early[0] / 2**30:.1f} GiB of it as the build committed it"
             )
             _collect(prefix, tag)
         info = _inspect(prefix, tag)
@@ -285,7 +287,7 @@ def ensure_twin(manifest: Manifest) -> Twin:
             wheel=wheel,
             env=env,
             built_s=built_s,
-            shared_while_building=early_bytes,
+            left_after_build=left,
             size_bytes=int(str(info["Size"])),
             base_bytes=int(str(base_info["Size"])),
         )

@@ -362,12 +362,13 @@ def build_command(
     options: ImageOptions,
     dockerfile: Path,
     context: Path,
-    tag: str,
+    tag: str | None,
     iidfile: Path,
     args: Mapping[str, str],
     stage: str | None = None,
 ) -> list[str]:
-    """The build of `options.target`, or of an earlier `stage` of it (env_part_stages)."""
+    """The build of `options.target` tagged `tag`, or of an earlier `stage` of it (env_part_stages; untagged, so a
+    build stopped between stages leaves no name on a part-built image)."""
     cmd = tool_prefix(tool, options)
     cmd += ["bud"] if tool == "buildah" else ["build"]
     if tool in ("podman", "buildah"):
@@ -381,7 +382,8 @@ def build_command(
         cmd += ["--platform", OCI_PLATFORMS[options.platform]]
     if options.target == "cpu" and options.cpu_env is not None:
         cmd += ["--build-context", f"{CPU_ENV_CONTEXT}={options.cpu_env}"]
-    cmd += ["-f", str(dockerfile), "--target", stage or options.target, "-t", tag, "--iidfile", str(iidfile)]
+    cmd += ["-f", str(dockerfile), "--target", stage or options.target, *(["-t", tag] if tag else [])]
+    cmd += ["--iidfile", str(iidfile)]
     for key, value in sorted(args.items()):
         cmd += ["--build-arg", f"{key}={value}"]
     cmd.append(str(context))
@@ -517,7 +519,7 @@ def build_image(labels: ImageLabels, dockerfile: Path, wheel: Path | None, optio
         t0 = time.monotonic()
         for n, stage in enumerate(stages, start=1):
             print(f"building stage {stage} ({n} of {len(stages)}) of {tag}", file=sys.stderr, flush=True)
-            step = build_command(tool, options, dockerfile, context, tag, work / "iid-stage", args, stage=stage)
+            step = build_command(tool, options, dockerfile, context, None, work / "iid-stage", args, stage=stage)
             proc.call(*step, env=env, error=ContainerError, hint=f"see the {tool} output above")
         cmd = build_command(tool, options, dockerfile, context, tag, iidfile, args)
         proc.call(*cmd, env=env, error=ContainerError, hint=f"see the {tool} output above")
