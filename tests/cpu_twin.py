@@ -185,12 +185,14 @@ def _share_as_committed(graph: Path, env: Path, every_s: float = 5.0, top: Path 
     shared = [0]
     top = top or cache_dir()
 
+    def sweep() -> None:
+        if new := [venv for venv in _committed_env_layers(graph) if venv not in done]:
+            done.update(new)
+            shared[0] += _share_outside_store(top, new, env)
+
     def loop() -> None:
         while not stop.wait(every_s):
-            new = [venv for venv in _committed_env_layers(graph) if venv not in done]
-            if new:
-                done.update(new)
-                shared[0] += _share_outside_store(top, new, env)
+            sweep()
 
     sharer = threading.Thread(target=loop, name="twin-layer-sharer", daemon=True)
     sharer.start()
@@ -199,8 +201,7 @@ def _share_as_committed(graph: Path, env: Path, every_s: float = 5.0, top: Path 
     finally:
         stop.set()
         sharer.join()
-        if new := [venv for venv in _committed_env_layers(graph) if venv not in done]:  # committed in the last poll
-            shared[0] += _share_outside_store(top, new, env)
+        sweep()  # what was committed after the last poll
 
 
 def _collect(prefix: Sequence[str], keep: str) -> None:
